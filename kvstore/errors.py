@@ -1,0 +1,222 @@
+"""The one error hierarchy of kvstore.
+
+Every class says two things in its docstring: whether the failed operation was rolled back (nothing it
+started is left visible or allocated), and whether retrying the same call can help.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every error kvstore raises on purpose."""
+
+    #: stable name used on the wire; the client maps it back to the class
+    code = "KVStoreError"
+
+
+class KeyNotFoundError(KVStoreError, KeyError):
+    """The key is not stored (never written, removed, evicted or expired).
+
+    Nothing was changed. Retrying helps only if another producer is about to put the key.
+    """
+
+    code = "KeyNotFound"
+
+    def __str__(self) -> str:  # KeyError's repr-quoting makes messages hard to read
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class KeyExistsError(KVStoreError):
+    """``put(..., if_absent=True)`` found the key already committed.
+
+    Rolled back: the new value was not stored. Retrying will fail the same way until the key is removed.
+    """
+
+    code = "KeyExists"
+
+
+class StoreFullError(KVStoreError):
+    """Not enough space even after evicting everything that may be evicted (leased, pending and pinned
+    objects are never evicted).
+
+    Rolled back: nothing was allocated. Retrying can help once leases are released or objects removed.
+    """
+
+    code = "StoreFull"
+
+
+class ObjectTooLargeError(StoreFullError):
+    """The value is larger than the store's whole capacity.
+
+    Rolled back. Retrying cannot help.
+    """
+
+    code = "ObjectTooLarge"
+
+
+class BufferTooSmallError(KVStoreError, ValueError):
+    """``get_into`` was given a buffer smaller than the object; the message names both sizes.
+
+    Nothing was written into the buffer and the object is intact. Retry with a large enough buffer.
+    """
+
+    code = "BufferTooSmall"
+
+    def __init__(self, message: str, needed: int | None = None, got: int | None = None):
+        super().__init__(message)
+        self.needed = needed
+        self.got = got
+
+
+class InvalidKeyError(KVStoreError, ValueError):
+    """The key is empty, not valid UTF-8, or longer than 1 KiB.
+
+    Nothing was changed. Retrying the same key cannot help.
+    """
+
+    code = "InvalidKey"
+
+
+class InvalidArgumentError(KVStoreError, ValueError):
+    """A request field has the wrong type or value (sizes, TTLs, buffers, options).
+
+    Nothing was changed. Retrying the same call cannot help.
+    """
+
+    code = "InvalidArgument"
+
+
+class ProtocolError(KVStoreError):
+    """A malformed, truncated, oversized or unknown frame, or a schema version this side does not speak.
+
+    The request was not applied. The connection that carried a broken frame is closed. Retrying the same
+    frame cannot help.
+    """
+
+    code = "Protocol"
+
+
+class AuthenticationError(KVStoreError, PermissionError):
+    """The daemon refused the connection's token.
+
+    Nothing was done. Retrying with the same token cannot help.
+    """
+
+    code = "Authentication"
+
+
+class ChecksumError(KVStoreError):
+    """``get(..., verify=True)`` found bytes whose xxh3 differs from the checksum recorded at commit.
+
+    The caller's buffer may hold the corrupt bytes; the stored object is left as it is for inspection.
+    Retrying reads the same bytes; remove and re-put the object.
+    """
+
+    code = "Checksum"
+
+
+class LeaseError(KVStoreError):
+    """A lease or pending put named in a request is unknown (already released, expired or revoked).
+
+    Nothing was changed. Retrying the same handle cannot help; start the operation again.
+    """
+
+    code = "Lease"
+
+
+class ObjectBusyError(KVStoreError):
+    """``evict``/``remove`` of an object that is leased or pinned, when the caller asked not to wait.
+
+    Nothing was changed. Retrying after the lease is released can help.
+    """
+
+    code = "ObjectBusy"
+
+
+class StoreConnectionError(KVStoreError, ConnectionError):
+    """The daemon is unreachable, went away, or did not answer within the client's timeout.
+
+    An operation in flight may or may not have been applied; a put that was not committed is never
+    visible. Retrying after reconnecting can help.
+    """
+
+    code = "Connection"
+
+
+class StoreTimeoutError(StoreConnectionError, TimeoutError):
+    """The daemon did not answer within the client's timeout. The connection is closed, since its framing
+    can no longer be trusted.
+
+    As for :class:`StoreConnectionError`: an uncommitted put is never visible. Retrying can help.
+    """
+
+    code = "Timeout"
+
+
+class TransportError(KVStoreError):
+    """The data path failed (a transport raised, or the requested transport is not served).
+
+    A put whose bytes did not all arrive is aborted and never visible. Retrying can help, possibly over
+    another transport.
+    """
+
+    code = "Transport"
+
+
+class LayoutMismatchError(KVStoreError, ValueError):
+    """Producer and consumer disagree on the KV layout, token count or block count. The message carries
+    both sides' values.
+
+    Nothing was written into the consumer's cache. Retrying cannot help; the consumer must recompute.
+    """
+
+    code = "LayoutMismatch"
+
+
+class HandoffTimeoutError(KVStoreError, TimeoutError):
+    """A hand-off fetch waited longer than its timeout for the producer to publish.
+
+    Nothing was written into the consumer's cache. Retrying with a longer timeout can help.
+    """
+
+    code = "HandoffTimeout"
+
+
+class HandoffAbortedError(KVStoreError):
+    """The request was cancelled, expired, or its producer went away before publishing.
+
+    Nothing was written into the consumer's cache. Retrying cannot help; recompute the prefill.
+    """
+
+    code = "HandoffAborted"
+
+
+class ServerError(KVStoreError):
+    """The daemon hit an unexpected internal error while serving the request (logged on the daemon).
+
+    The request was rolled back where the daemon could tell; retrying may help.
+    """
+
+    code = "Server"
+
+
+def _all_error_classes() -> dict[str, type[KVStoreError]]:
+    out: dict[str, type[KVStoreError]] = {}
+    stack: list[type[KVStoreError]] = [KVStoreError]
+    while stack:
+        cls = stack.pop()
+        out[cls.code] = cls
+        stack.extend(cls.__subclasses__())
+    return out
+
+
+def error_from_wire(code: str, message: str, extra: dict | None = None) -> KVStoreError:
+    """Rebuild the exception a daemon reported as ``(code, message)``; unknown codes become ServerError."""
+    cls = _all_error_classes().get(code, ServerError)
+    if cls is BufferTooSmallError and extra:
+        return BufferTooSmallError(message, extra.get("needed"), extra.get("got"))
+    return cls(message)
+
+
+__all__ = [name for name, obj in dict(globals()).items() if isinstance(obj, type) and issubclass(obj, KVStoreError)]
+__all__ += ["error_from_wire"]
