@@ -1,0 +1,156 @@
+"""The set of engine workers a router drives: separate processes, or inline in the router's own process.
+
+Both pools speak the same small interface, so the router does not care which one it has. A process that
+dies shows up as a ``lost`` message (the router re-routes its requests); nothing else is special-cased.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from multiprocessing.connection import wait as wait_any
+from typing import Any, Protocol
+
+import msgpack
+
+from benchmarks.pd.channel import Channel, ChannelClosedError
+from benchmarks.pd.worker import IDLE_WAIT_S, Worker, WorkerSpec, process_main
+
+
+class WorkerPool(Protocol):
+    def start(self) -> list[dict]: ...  # build every worker; their ``ready`` infos in index order
+
+    def begin(self, t0: float) -> None: ...  # the run's clock origin (time.monotonic())
+
+    def send(self, index: int, op: str, **fields: Any) -> None: ...
+
+    def pump(self, timeout: float) -> list[dict]: ...  # messages from workers, waiting at most ``timeout``
+
+    def stop(self) -> list[dict]: ...  # every live worker's ``stats``; the pool is unusable afterwards
+
+
+class ProcessPool:
+    """One spawned process per worker, each talking msgpack over its own pipe."""
+
+    def __init__(self, specs: list[WorkerSpec], ready_timeout_s: float = 180.0):
+        self.specs = specs
+        self.ready_timeout_s = ready_timeout_s
+        self.procs: dict[int, Any] = {}
+        self.chans: dict[int, Channel] = {}
+
+    def start(self) -> list[dict]:
+        ctx = mp.get_context("spawn")
+        for spec in self.specs:
+            parent, child = ctx.Pipe()
+            frame = msgpack.packb(spec.to_wire(), use_bin_type=True)
+            proc = ctx.Process(target=process_main, args=(frame, child), name=f"pd-worker-{spec.index}", daemon=True)
+            proc.start()
+            child.close()
+            self.procs[spec.index], self.chans[spec.index] = proc, Channel(parent)
+        return [self._await_ready(spec.index) for spec in self.specs]
+
+    def _await_ready(self, index: int) -> dict:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.chans[index].poll(0.2):
+                msg = self.chans[index].recv()
+                if msg["op"] != "ready":
+                    raise RuntimeError(f"worker {index} sent {msg['op']!r} before 'ready'")
+                return msg
+            if not self.procs[index].is_alive():
+                raise RuntimeError(f"worker {index} exited with code {self.procs[index].exitcode} while starting")
+        raise TimeoutError(f"worker {index} not ready after {self.ready_timeout_s} s")
+
+    def begin(self, t0: float) -> None:
+        for chan in self.chans.values():
+            chan.send("start", t0=t0)
+
+    def send(self, index: int, op: str, **fields: Any) -> None:
+        self.chans[index].send(op, **fields)
+
+    def pump(self, timeout: float) -> list[dict]:
+        by_conn = {chan.conn: index for index, chan in self.chans.items()}
+        out: list[dict] = []
+        for conn in wait_any(list(by_conn), timeout=max(0.0, timeout)):
+            index = by_conn[conn]
+            try:
+                while self.chans[index].poll(0):
+                    out.append(self.chans[index].recv())
+            except ChannelClosedError:
+                out.append(self._lost(index))
+        return out
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one worker (fault injection); the next pump reports it ``lost``."""
+        self.procs[index].kill()
+
+    def _lost(self, index: int) -> dict:
+        proc = self.procs.pop(index)
+        self.chans.pop(index).close()
+        proc.join(timeout=5)
+        return {"op": "lost", "worker": index, "exitcode": proc.exitcode}
+
+    def stop(self) -> list[dict]:
+        stats = []
+        for index, chan in list(self.chans.items()):
+            try:
+                chan.send("stop")
+                stats.append(self._await_stats(index))
+            except (ChannelClosedError, TimeoutError):
+                pass  # already gone; nothing to collect
+        for proc in self.procs.values():
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        for chan in self.chans.values():
+            chan.close()
+        return stats
+
+    def _await_stats(self, index: int, timeout_s: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.chans[index].poll(0.1):
+                msg = self.chans[index].recv()
+                if msg["op"] == "stats":
+                    return msg
+        raise TimeoutError(f"worker {index} sent no stats within {timeout_s} s")
+
+
+class InlinePool:
+    """Every worker in this process, stepped in turn; prefill and decode roles share one embedded store."""
+
+    def __init__(self, specs: list[WorkerSpec]):
+        self.specs = specs
+        self.workers: list[Worker] = []
+        self.store: Any = None
+
+    def start(self) -> list[dict]:
+        store_specs = [s.store for s in self.specs if s.store is not None]
+        if store_specs:
+            from benchmarks.pd.transfer import open_store
+
+            self.store = open_store(store_specs[0])
+        self.workers = [Worker(spec, store=self.store) for spec in self.specs]
+        return [w.ready_info() for w in self.workers]
+
+    def begin(self, t0: float) -> None:
+        for w in self.workers:
+            w.start(t0)
+
+    def send(self, index: int, op: str, **fields: Any) -> None:
+        self.workers[index].handle({"op": op, **fields})
+
+    def pump(self, timeout: float) -> list[dict]:
+        busy = [w for w in self.workers if w.has_work()]
+        if not busy:
+            time.sleep(min(max(timeout, 0.0), IDLE_WAIT_S))
+        return [msg for w in busy for msg in w.step()]
+
+    def stop(self) -> list[dict]:
+        stats = [w.stats() for w in self.workers]
+        for w in self.workers:
+            w.close()
+        if self.store is not None:
+            self.store.close()
+        return stats

@@ -1,0 +1,256 @@
+"""Request traces: seeded Poisson workloads and readers for the Mooncake and Azure 2023 formats.
+
+Every trace is a tuple of :class:`TraceRequest` with concrete prompt token ids, deterministic from the seed.
+Real traces are far larger than a CPU model can serve, so lengths and time are scaled by explicit factors
+(:class:`TraceScaling`) that end up in the run's summary. Nothing is truncated silently: a request that does
+not fit the engine is an error unless an explicit cap was asked for, and capped requests are counted.
+
+Mooncake ``hash_ids`` name 512-token prefix blocks; equal ids across requests are shared prefixes. They are
+replayed as shared *token* prefixes: block ``h`` always expands to the same ``ceil(512 * prompt_scale)``
+token ids, so two requests with the same leading ids start with the same tokens.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, replace
+from datetime import datetime
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+class Workload(Enum):
+    SHORT = "short"
+    LONG = "long"
+    MIXED = "mixed"
+
+
+class TraceFormat(Enum):
+    MOONCAKE = "mooncake"  # jsonl: timestamp (ms), input_length, output_length, hash_ids
+    AZURE = "azure"  # csv: TIMESTAMP, ContextTokens, GeneratedTokens
+
+    @classmethod
+    def from_path(cls, path: Path) -> TraceFormat:
+        by_suffix = {".jsonl": cls.MOONCAKE, ".csv": cls.AZURE}
+        try:
+            return by_suffix[path.suffix.lower()]
+        except KeyError:
+            raise ValueError(f"cannot tell the trace format of {path}; expected one of {sorted(by_suffix)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """A Poisson workload: a mix of short and long requests with uniform lengths in the given ranges."""
+
+    rate_rps: float
+    long_fraction: float
+    short_prompt: tuple[int, int] = (32, 192)
+    short_output: tuple[int, int] = (16, 48)
+    long_prompt: tuple[int, int] = (640, 1024)
+    long_output: tuple[int, int] = (8, 24)
+    long_klass: str = "interactive"  # request class of the long requests (issue 5: a background burst)
+
+
+#: default rates sized for the default model on two single-threaded workers of this class of CPU
+WORKLOADS = {
+    Workload.SHORT: WorkloadSpec(rate_rps=6.0, long_fraction=0.0),
+    Workload.LONG: WorkloadSpec(rate_rps=1.5, long_fraction=1.0),
+    Workload.MIXED: WorkloadSpec(rate_rps=3.0, long_fraction=0.25, long_klass="background"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TraceScaling:
+    """Explicit factors mapping a real trace onto a small engine; all are reported with the results."""
+
+    prompt_scale: float = 1.0
+    output_scale: float = 1.0
+    time_scale: float = 1.0  # arrival offsets are multiplied by this (0.5 = twice the request rate)
+    max_prompt_tokens: int | None = None  # explicit cap; capped prompts are counted, never hidden
+    max_output_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_scale", "output_scale", "time_scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"TraceScaling.{name} must be a positive number, got {value!r}")
+        for name in ("max_prompt_tokens", "max_output_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"TraceScaling.{name} must be a positive int or None, got {value!r}")
+
+    def prompt_len(self, n: int) -> int:
+        return max(1, round(n * self.prompt_scale))
+
+    def output_len(self, n: int) -> int:
+        return max(1, round(n * self.output_scale))
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    id: str
+    arrival_s: float
+    prompt_ids: tuple[int, ...]
+    output_tokens: int
+    source_prompt_tokens: int  # before scaling and capping
+    source_output_tokens: int
+    capped: bool = False
+    klass: str = "interactive"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    name: str
+    source: str
+    requests: tuple[TraceRequest, ...]
+    scaling: TraceScaling
+    seed: int
+
+    @property
+    def capped_requests(self) -> int:
+        return sum(r.capped for r in self.requests)
+
+    def check_fits(self, max_tokens: int) -> None:
+        """Raise ValueError naming the first request whose prompt + output exceeds ``max_tokens``."""
+        for r in self.requests:
+            if r.prompt_tokens + r.output_tokens > max_tokens:
+                raise ValueError(
+                    f"{self.name}: request {r.id} needs {r.prompt_tokens}+{r.output_tokens} tokens, the engine "
+                    f"holds at most {max_tokens} per request; scale lengths down (--prompt-scale/--output-scale) "
+                    f"or cap them explicitly (--max-prompt-tokens/--max-output-tokens)"
+                )
+
+    def describe(self) -> dict:
+        s = self.scaling
+        return {
+            "name": self.name, "source": self.source, "seed": self.seed, "requests": len(self.requests),
+            "prompt_scale": s.prompt_scale, "output_scale": s.output_scale, "time_scale": s.time_scale,
+            "max_prompt_tokens": s.max_prompt_tokens, "max_output_tokens": s.max_output_tokens,
+            "capped_requests": self.capped_requests,
+            "duration_s": self.requests[-1].arrival_s if self.requests else 0.0,
+        }
+
+
+def _random_tokens(seed: int, key: int, count: int, vocab_size: int) -> list[int]:
+    return np.random.default_rng([seed, key]).integers(0, vocab_size, count).tolist()
+
+
+def _finish(name: str, source: str, items: list[tuple], scaling: TraceScaling, seed: int) -> Trace:
+    """Apply time scaling and explicit caps to ``(arrival, prompt, output, src_prompt, src_output[, klass])``."""
+    requests = []
+    t0 = min(item[0] for item in items) if items else 0.0
+    for i, (arrival, prompt, output, src_in, src_out, *klass) in enumerate(items):
+        capped = False
+        if scaling.max_prompt_tokens is not None and len(prompt) > scaling.max_prompt_tokens:
+            prompt, capped = prompt[: scaling.max_prompt_tokens], True
+        if scaling.max_output_tokens is not None and output > scaling.max_output_tokens:
+            output, capped = scaling.max_output_tokens, True
+        requests.append(TraceRequest(f"r{i:05d}", round((arrival - t0) * scaling.time_scale, 6), tuple(prompt),
+                                     output, src_in, src_out, capped, *klass))
+    requests.sort(key=lambda r: r.arrival_s)
+    return Trace(name, source, tuple(requests), scaling, seed)
+
+
+def generate(workload: Workload, num_requests: int, *, seed: int = 0, vocab_size: int = 4096,
+             rate_rps: float | None = None, scaling: TraceScaling = TraceScaling()) -> Trace:
+    """A Poisson trace of ``num_requests`` requests of ``workload`` (default rate from :data:`WORKLOADS`)."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    spec = WORKLOADS[workload]
+    if rate_rps is not None:
+        if rate_rps <= 0:
+            raise ValueError(f"rate_rps must be > 0, got {rate_rps}")
+        spec = replace(spec, rate_rps=rate_rps)
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / spec.rate_rps, num_requests))
+    arrivals -= arrivals[0]
+    items = []
+    for i in range(num_requests):
+        is_long = rng.random() < spec.long_fraction
+        p_lo, p_hi = spec.long_prompt if is_long else spec.short_prompt
+        o_lo, o_hi = spec.long_output if is_long else spec.short_output
+        src_in, src_out = int(rng.integers(p_lo, p_hi + 1)), int(rng.integers(o_lo, o_hi + 1))
+        n_in, n_out = scaling.prompt_len(src_in), scaling.output_len(src_out)
+        klass = spec.long_klass if is_long else "interactive"
+        items.append((float(arrivals[i]), _random_tokens(seed, i, n_in, vocab_size), n_out, src_in, src_out, klass))
+    return _finish(workload.value, f"poisson:{workload.value}@{spec.rate_rps}rps", items, scaling, seed)
+
+
+def read_mooncake(path: str | Path, *, num_requests: int | None = None, seed: int = 0, vocab_size: int = 4096,
+                  scaling: TraceScaling = TraceScaling()) -> Trace:
+    """Read a Mooncake jsonl trace; shared ``hash_ids`` become shared token prefixes."""
+    path = Path(path)
+    block_tokens = math.ceil(MOONCAKE_BLOCK_TOKENS * scaling.prompt_scale)
+    blocks: dict[int, list[int]] = {}
+    items = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if num_requests is not None and len(items) >= num_requests:
+                break
+            if not line.strip():
+                continue
+            rec = _mooncake_record(json.loads(line), path, lineno)
+            n_in = scaling.prompt_len(rec["input_length"])
+            prompt: list[int] = []
+            for h in rec["hash_ids"]:
+                if h not in blocks:
+                    blocks[h] = _random_tokens(seed, h, block_tokens, vocab_size)
+                prompt.extend(blocks[h])
+            if len(prompt) < n_in:
+                raise ValueError(f"{path}:{lineno}: {len(rec['hash_ids'])} hash blocks cannot hold "
+                                 f"{rec['input_length']} input tokens")
+            items.append((rec["timestamp"] / 1000.0, prompt[:n_in], scaling.output_len(rec["output_length"]),
+                          rec["input_length"], rec["output_length"]))
+    return _finish(path.stem, str(path), items, scaling, seed)
+
+
+def _mooncake_record(rec: dict, path: Path, lineno: int) -> dict:
+    for key, kind in (("timestamp", (int, float)), ("input_length", int), ("output_length", int),
+                      ("hash_ids", list)):
+        if not isinstance(rec.get(key), kind):
+            raise ValueError(f"{path}:{lineno}: field {key!r} missing or not {kind}: {rec.get(key)!r}")
+    if rec["input_length"] < 1 or rec["output_length"] < 1:
+        raise ValueError(f"{path}:{lineno}: lengths must be >= 1: {rec['input_length']}, {rec['output_length']}")
+    return rec
+
+
+def read_azure(path: str | Path, *, num_requests: int | None = None, seed: int = 0, vocab_size: int = 4096,
+               scaling: TraceScaling = TraceScaling()) -> Trace:
+    """Read an Azure LLM inference 2023 CSV (``TIMESTAMP, ContextTokens, GeneratedTokens``)."""
+    path = Path(path)
+    items = []
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
+        if missing:
+            raise ValueError(f"{path}: missing columns {sorted(missing)}; found {reader.fieldnames}")
+        for i, row in enumerate(reader):
+            if num_requests is not None and i >= num_requests:
+                break
+            try:
+                when = datetime.fromisoformat(row["TIMESTAMP"].strip()).timestamp()
+                n_in, n_out = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+            except ValueError as exc:
+                raise ValueError(f"{path}: row {i + 2}: {exc}") from None
+            if n_in < 1 or n_out < 1:
+                raise ValueError(f"{path}: row {i + 2}: lengths must be >= 1, got {n_in}, {n_out}")
+            prompt = _random_tokens(seed, i, scaling.prompt_len(n_in), vocab_size)
+            items.append((when, prompt, scaling.output_len(n_out), n_in, n_out))
+    return _finish(path.stem, str(path), items, scaling, seed)
+
+
+def load_trace(path: str | Path, *, fmt: TraceFormat | None = None, **kwargs) -> Trace:
+    """Read a trace file, by ``fmt`` or by its suffix (.jsonl: Mooncake, .csv: Azure)."""
+    path = Path(path)
+    readers = {TraceFormat.MOONCAKE: read_mooncake, TraceFormat.AZURE: read_azure}
+    return readers[fmt or TraceFormat.from_path(path)](path, **kwargs)

@@ -1,0 +1,96 @@
+"""The engine's side of the prefill -> decode hand-off: a thin, timed adapter over ``kvstore.handoff.KVHandoff``.
+
+The engine only knows :class:`benchmarks.pd.engine.KVPort` (``publish`` / ``fetch`` returning seconds spent);
+this module is the one place that speaks the store's API, so the benchmark uses the library exactly as a
+serving engine would. ``kvstore`` is imported on first use, not at import time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from benchmarks.pd.kv_cache import CacheSpec, PagedKVCache
+from benchmarks.pd.request import Request
+
+
+class Transport(Enum):
+    AUTO = "auto"
+    SHM = "shm"
+    TCP = "tcp"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSpec:
+    """Where hand-offs go: a daemon at ``url`` (``unix:///path`` or ``tcp://host:port``), or, when ``url`` is
+    None, an embedded store shared by every worker of one process."""
+
+    url: str | None = None
+    transport: Transport = Transport.AUTO
+    capacity: str = "2GiB"
+    ttl_s: float = 60.0
+    fetch_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.transport, Transport):
+            raise TypeError(f"transport must be a Transport, got {self.transport!r}")
+        if self.ttl_s <= 0 or self.fetch_timeout_s <= 0:
+            raise ValueError(f"ttl_s and fetch_timeout_s must be > 0, got {self.ttl_s}, {self.fetch_timeout_s}")
+
+
+def kv_layout(cache_spec: CacheSpec, model_id: str) -> Any:
+    """The ``kvstore.KVLayout`` describing a :class:`PagedKVCache` of ``cache_spec``."""
+    from kvstore import KVLayout, KVLayoutKind
+
+    return KVLayout(kind=KVLayoutKind.VLLM_FLASH_NHD, num_layers=cache_spec.num_layers,
+                    num_kv_heads=cache_spec.num_kv_heads, head_dim=cache_spec.head_dim,
+                    block_size=cache_spec.block_size, dtype=cache_spec.dtype, model_id=model_id)
+
+
+def open_store(spec: StoreSpec) -> Any:
+    """Connect to the daemon named by ``spec.url``, or create an embedded store when it is None."""
+    import kvstore
+
+    if spec.url is None:
+        return kvstore.KVStore.embedded(capacity=spec.capacity)
+    return kvstore.connect(spec.url, transport=spec.transport.value)
+
+
+class KVTransfer:
+    """Publishes and fetches one request's prompt KV; each call returns the seconds it took."""
+
+    def __init__(self, spec: StoreSpec, cache_spec: CacheSpec, model_id: str, store: Any | None = None):
+        self.spec = spec
+        self._layout = kv_layout(cache_spec, model_id)
+        self._owns_store = store is None
+        self._store = store if store is not None else open_store(spec)
+        from kvstore.handoff import KVHandoff
+
+        self._handoff = KVHandoff(self._store, self._layout)
+
+    def publish(self, request: Request, cache: PagedKVCache, block_ids: list[int]) -> float:
+        start = time.monotonic()
+        ticket = self._handoff.publish(request.id, cache.layers, block_ids, num_tokens=request.num_prompt,
+                                       token_ids=request.prompt_ids, ttl=self.spec.ttl_s)
+        ticket.wait()
+        return time.monotonic() - start
+
+    def fetch(self, request: Request, cache: PagedKVCache, block_ids: list[int]) -> float:
+        from kvstore.errors import LayoutMismatchError
+
+        start = time.monotonic()
+        meta = self._handoff.fetch(request.id, cache.layers, block_ids, timeout=self.spec.fetch_timeout_s)
+        got = getattr(meta, "num_tokens", request.num_prompt)
+        if got != request.num_prompt:  # the store checked geometry; the token count is ours to check
+            raise LayoutMismatchError(f"{request.id}: hand-off carries {got} tokens, the request has "
+                                      f"{request.num_prompt} prompt tokens")
+        return time.monotonic() - start
+
+    def cancel(self, request_id: str) -> None:
+        self._handoff.cancel(request_id)
+
+    def close(self) -> None:
+        if self._owns_store:
+            self._store.close()

@@ -1,0 +1,176 @@
+// pack_kernels.cu: one launch copies every (block, layer) page between the per-layer caches and the
+// block-major packed buffer. Work is split into warp-sized pieces of a contiguous run; each lane keeps
+// kUnroll vector loads in flight before storing, and a persistent grid (sized from the SM count and the
+// kernel's occupancy) strides over the pieces.
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+
+#include "pack_cuda.h"
+
+namespace kvstore {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarpSize = 32;
+constexpr int kUnroll = 8;  // vectors in flight per lane: 8 x 16 B = 128 B, 4 KiB per warp
+constexpr int kMaxDevices = 64;
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw CudaError(std::string("kvstore CUDA error in ") + what + ": " + cudaGetErrorName(status) + ": " +
+                    cudaGetErrorString(status));
+  }
+}
+
+struct KernelArgs {
+  PagePlan plan;
+  const int64_t* layer_ptrs;
+  const void* ids;
+  int64_t num_ids;
+  char* packed;
+};
+
+template <typename Vec>
+__device__ __forceinline__ Vec load_stream(const Vec* p) { return __ldcs(p); }
+template <typename Vec>
+__device__ __forceinline__ void store_stream(Vec* p, const Vec& v) { __stcs(p, v); }
+
+template <typename Vec, typename Id, bool kGather>
+__global__ void __launch_bounds__(kThreads) pages_kernel(const KernelArgs a) {
+  const PagePlan& p = a.plan;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / kWarpSize;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kThreads / kWarpSize;
+  const int64_t vecs_per_run = p.run_bytes / static_cast<int64_t>(sizeof(Vec));
+  constexpr int64_t kPieceVecs = kWarpSize * kUnroll;
+  const int64_t pieces_per_run = (vecs_per_run + kPieceVecs - 1) / kPieceVecs;
+  const int64_t total = a.num_ids * p.num_layers * p.runs_per_item * pieces_per_run;
+
+  for (int64_t w = first; w < total; w += num_warps) {
+    const int64_t run = w / pieces_per_run;
+    const int64_t piece = w - run * pieces_per_run;
+    int64_t rest = run, offset = 0;
+#pragma unroll
+    for (int d = kMaxDims - 1; d >= 0; --d) {  // constant indices keep the plan out of local memory
+      if (d < p.ndims) {
+        const int64_t q = rest / p.sizes[d];
+        offset += (rest - q * p.sizes[d]) * p.strides[d];
+        rest = q;
+      }
+    }
+    const int64_t layer = rest % p.num_layers;
+    const int64_t id = static_cast<const Id*>(a.ids)[rest / p.num_layers];
+    if (id < 0 || id >= p.num_cache_blocks) continue;  // never taken: ops.py rejects such ids first
+    char* cache = reinterpret_cast<char*>(a.layer_ptrs[layer]) + id * p.block_stride + offset;
+    char* packed = a.packed + run * p.run_bytes;
+    const Vec* src = reinterpret_cast<const Vec*>(kGather ? cache : packed);
+    Vec* dst = reinterpret_cast<Vec*>(kGather ? packed : cache);
+    const int64_t v0 = piece * kPieceVecs + lane;
+    Vec tmp[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (v0 + k * kWarpSize < vecs_per_run) tmp[k] = load_stream(src + v0 + k * kWarpSize);
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (v0 + k * kWarpSize < vecs_per_run) store_stream(dst + v0 + k * kWarpSize, tmp[k]);
+    }
+  }
+}
+
+using KernelFn = void (*)(const KernelArgs);
+
+template <typename Vec, typename Id>
+KernelFn pick_direction(bool gather) {
+  return gather ? pages_kernel<Vec, Id, true> : pages_kernel<Vec, Id, false>;
+}
+
+template <typename Vec>
+KernelFn pick_ids(bool ids_int64, bool gather) {
+  return ids_int64 ? pick_direction<Vec, int64_t>(gather) : pick_direction<Vec, int32_t>(gather);
+}
+
+KernelFn pick_kernel(int64_t vec_bytes, bool ids_int64, bool gather) {
+  switch (vec_bytes) {
+    case 16: return pick_ids<uint4>(ids_int64, gather);
+    case 8: return pick_ids<uint2>(ids_int64, gather);
+    case 4: return pick_ids<unsigned int>(ids_int64, gather);
+    case 2: return pick_ids<unsigned short>(ids_int64, gather);
+    default: return pick_ids<unsigned char>(ids_int64, gather);
+  }
+}
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);  // best effort: a destructor must not throw
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// Per-device launch facts, looked up once: multiprocessor count and resident blocks per SM. All kernel
+// instantiations use a handful of registers and no shared memory, so the widest one's occupancy serves all.
+struct DeviceFacts {
+  int sms = 0;
+  int blocks_per_sm = 0;
+};
+
+DeviceFacts device_facts(int device) {
+  static std::array<std::atomic<int>, kMaxDevices> sms{};
+  static std::array<std::atomic<int>, kMaxDevices> occupancy{};
+  if (device < 0 || device >= kMaxDevices) {
+    throw CudaError("kvstore CUDA: device index " + std::to_string(device) + " out of range [0, " +
+                    std::to_string(kMaxDevices) + ")");
+  }
+  DeviceFacts facts{sms[device].load(), occupancy[device].load()};
+  if (facts.sms > 0) return facts;
+  DeviceGuard guard(device);
+  check(cudaDeviceGetAttribute(&facts.sms, cudaDevAttrMultiProcessorCount, device),
+        "cudaDeviceGetAttribute(MultiProcessorCount)");
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&facts.blocks_per_sm, pages_kernel<uint4, int64_t, true>,
+                                                      kThreads, 0),
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  facts.blocks_per_sm = facts.blocks_per_sm > 0 ? facts.blocks_per_sm : 1;
+  occupancy[device].store(facts.blocks_per_sm);
+  sms[device].store(facts.sms);  // published last: a non-zero count means both are set
+  return facts;
+}
+
+}  // namespace
+
+int sm_count(int device) { return device_facts(device).sms; }
+
+int64_t vector_bytes(const CudaPagesArgs& args) {
+  return common_alignment(args.plan, args.layer_ptr_bits | static_cast<uint64_t>(args.packed));
+}
+
+void launch_pages(const CudaPagesArgs& args, bool gather) {
+  const PagePlan& p = args.plan;
+  if (args.num_ids <= 0 || p.item_bytes == 0) return;
+  const int64_t vec = vector_bytes(args);
+  const int64_t pieces_per_run = (p.run_bytes / vec + kWarpSize * kUnroll - 1) / (kWarpSize * kUnroll);
+  const int64_t pieces = args.num_ids * p.num_layers * p.runs_per_item * pieces_per_run;
+  const DeviceFacts facts = device_facts(args.device);
+  constexpr int64_t kWarpsPerBlock = kThreads / kWarpSize;
+  const int64_t wanted = (pieces + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t resident = static_cast<int64_t>(facts.sms) * facts.blocks_per_sm;
+  const unsigned grid = static_cast<unsigned>(wanted < resident ? wanted : resident);
+
+  KernelArgs kargs{p, reinterpret_cast<const int64_t*>(args.layer_ptrs), reinterpret_cast<const void*>(args.ids),
+                   args.num_ids, reinterpret_cast<char*>(args.packed)};
+  DeviceGuard guard(args.device);
+  pick_kernel(vec, args.ids_int64, gather)<<<grid, kThreads, 0, reinterpret_cast<cudaStream_t>(args.stream)>>>(kargs);
+  check(cudaGetLastError(), gather ? "gather_pages kernel launch" : "scatter_pages kernel launch");
+}
+
+}  // namespace kvstore

@@ -1,0 +1,163 @@
+// pack_cpu.cpp: the kvstore._C extension. Gathers the pages of selected blocks from every layer's cache
+// into one block-major buffer and scatters them back, with memcpy per contiguous run, in parallel over
+// (block, layer) items when the work is large, with the GIL released.
+//
+// Inputs are raw addresses (Python ints), element strides and counts; kvstore/ops.py validates tensors
+// before calling, and the ids are range-checked again here before a byte moves.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "page_plan.h"
+
+namespace py = pybind11;
+
+namespace kvstore {
+namespace {
+
+// Below this many bytes per thread, starting a thread costs more than it saves.
+constexpr int64_t kMinBytesPerThread = int64_t{1} << 20;
+
+struct Job {
+  PagePlan plan;
+  std::vector<uintptr_t> layers;
+  const void* ids = nullptr;
+  bool ids_int64 = true;
+  int64_t num_ids = 0;
+  char* packed = nullptr;
+};
+
+int64_t block_id(const Job& job, int64_t i) {
+  return job.ids_int64 ? static_cast<const int64_t*>(job.ids)[i] : static_cast<const int32_t*>(job.ids)[i];
+}
+
+void check_ids(const Job& job) {
+  for (int64_t i = 0; i < job.num_ids; ++i) {
+    const int64_t id = block_id(job, i);
+    if (id < 0 || id >= job.plan.num_cache_blocks) {
+      throw py::index_error("block_ids[" + std::to_string(i) + "] = " + std::to_string(id) +
+                            " is out of range; expected 0 <= id < " + std::to_string(job.plan.num_cache_blocks));
+    }
+  }
+}
+
+// Copies items [begin, end) where item = sel * num_layers + layer, visiting runs in packed order.
+template <bool kGather>
+void copy_items(const Job& job, int64_t begin, int64_t end) {
+  const PagePlan& p = job.plan;
+  char* packed = job.packed + begin * p.item_bytes;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t sel = item / p.num_layers;
+    const int64_t layer = item % p.num_layers;
+    char* cache = reinterpret_cast<char*>(job.layers[layer]) + block_id(job, sel) * p.block_stride;
+    int64_t idx[kMaxDims] = {};
+    int64_t offset = 0;
+    for (int64_t r = 0; r < p.runs_per_item; ++r) {
+      if (kGather) {
+        std::memcpy(packed, cache + offset, p.run_bytes);
+      } else {
+        std::memcpy(cache + offset, packed, p.run_bytes);
+      }
+      packed += p.run_bytes;
+      for (int d = p.ndims - 1; d >= 0; --d) {  // odometer step to the next run
+        offset += p.strides[d];
+        if (++idx[d] < p.sizes[d]) break;
+        offset -= p.strides[d] * p.sizes[d];
+        idx[d] = 0;
+      }
+    }
+  }
+}
+
+template <bool kGather>
+void run_job(const Job& job, int64_t max_threads) {
+  check_ids(job);
+  const int64_t items = job.num_ids * job.plan.num_layers;
+  const int64_t total = items * job.plan.item_bytes;
+  const int64_t threads = std::max<int64_t>(1, std::min({max_threads, total / kMinBytesPerThread, items}));
+  if (threads == 1) {
+    copy_items<kGather>(job, 0, items);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  const int64_t per = items / threads, extra = items % threads;
+  int64_t begin = 0;
+  for (int64_t t = 0; t < threads; ++t) {
+    const int64_t end = begin + per + (t < extra ? 1 : 0);
+    if (t + 1 == threads) {
+      copy_items<kGather>(job, begin, end);  // the calling thread takes the last share
+    } else {
+      pool.emplace_back(copy_items<kGather>, std::cref(job), begin, end);
+    }
+    begin = end;
+  }
+  for (auto& th : pool) th.join();
+}
+
+Job make_job(std::vector<uintptr_t> layers, uintptr_t ids, bool ids_int64, int64_t num_ids, int64_t num_cache_blocks,
+             int64_t block_stride, const std::vector<int64_t>& dim_sizes, const std::vector<int64_t>& dim_strides,
+             int64_t itemsize, uintptr_t packed) {
+  if (layers.empty()) throw std::invalid_argument("layer_ptrs is empty");
+  if (num_ids < 0) throw std::invalid_argument("num_ids must be >= 0, got " + std::to_string(num_ids));
+  Job job;
+  job.plan = make_plan(dim_sizes, dim_strides, itemsize, block_stride, static_cast<int64_t>(layers.size()),
+                       num_cache_blocks);
+  job.layers = std::move(layers);
+  job.ids = reinterpret_cast<const void*>(ids);
+  job.ids_int64 = ids_int64;
+  job.num_ids = num_ids;
+  job.packed = reinterpret_cast<char*>(packed);
+  return job;
+}
+
+template <bool kGather>
+void pages_entry(std::vector<uintptr_t> layer_ptrs, uintptr_t block_ids, bool ids_int64, int64_t num_ids,
+                 int64_t num_cache_blocks, int64_t block_stride, const std::vector<int64_t>& dim_sizes,
+                 const std::vector<int64_t>& dim_strides, int64_t itemsize, uintptr_t packed, int64_t num_threads) {
+  Job job = make_job(std::move(layer_ptrs), block_ids, ids_int64, num_ids, num_cache_blocks, block_stride, dim_sizes,
+                     dim_strides, itemsize, packed);
+  if (num_threads <= 0) num_threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  run_job<kGather>(job, num_threads);
+}
+
+py::dict describe_plan(const std::vector<int64_t>& dim_sizes, const std::vector<int64_t>& dim_strides,
+                       int64_t itemsize, int64_t block_stride, int64_t num_layers, int64_t num_cache_blocks) {
+  const PagePlan p = make_plan(dim_sizes, dim_strides, itemsize, block_stride, num_layers, num_cache_blocks);
+  py::dict d;
+  d["run_bytes"] = p.run_bytes;
+  d["runs_per_item"] = p.runs_per_item;
+  d["item_bytes"] = p.item_bytes;
+  d["sizes"] = std::vector<int64_t>(p.sizes, p.sizes + p.ndims);
+  d["strides"] = std::vector<int64_t>(p.strides, p.strides + p.ndims);
+  return d;
+}
+
+}  // namespace
+}  // namespace kvstore
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "kvstore CPU kernels: gather/scatter of paged-KV blocks over raw pointers (no torch ABI).";
+  const char* args_doc =
+      "(layer_ptrs, block_ids, ids_int64, num_ids, num_cache_blocks, block_stride, dim_sizes, dim_strides, "
+      "itemsize, packed, num_threads): addresses are ints; block_stride and dim_strides in elements; dims of one "
+      "block in packed order; num_threads <= 0 means all cores. Releases the GIL.";
+  const auto gil = py::call_guard<py::gil_scoped_release>();
+  m.def("gather_pages", &kvstore::pages_entry<true>, gil,
+        (std::string("Copy the selected blocks of every layer into the block-major packed buffer ") + args_doc).c_str(),
+        py::arg("layer_ptrs"), py::arg("block_ids"), py::arg("ids_int64"), py::arg("num_ids"),
+        py::arg("num_cache_blocks"), py::arg("block_stride"), py::arg("dim_sizes"), py::arg("dim_strides"),
+        py::arg("itemsize"), py::arg("packed"), py::arg("num_threads") = 0);
+  m.def("scatter_pages", &kvstore::pages_entry<false>, gil,
+        (std::string("Copy the block-major packed buffer into the selected blocks of every layer ") + args_doc).c_str(),
+        py::arg("layer_ptrs"), py::arg("block_ids"), py::arg("ids_int64"), py::arg("num_ids"),
+        py::arg("num_cache_blocks"), py::arg("block_stride"), py::arg("dim_sizes"), py::arg("dim_strides"),
+        py::arg("itemsize"), py::arg("packed"), py::arg("num_threads") = 0);
+  m.def("describe_plan", &kvstore::describe_plan, "The coalesced copy plan for one block (for tests and profiling).",
+        py::arg("dim_sizes"), py::arg("dim_strides"), py::arg("itemsize"), py::arg("block_stride"),
+        py::arg("num_layers"), py::arg("num_cache_blocks"));
+}

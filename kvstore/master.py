@@ -1,0 +1,375 @@
+"""Master: the store's metadata, as pure logic (no I/O, no payload bytes).
+
+Key -> replica (segment, offset, length, state). Two-phase puts (PENDING -> COMPLETE), read leases, pins,
+TTLs, eviction between a high and a low watermark behind a small policy interface, and client liveness
+(a client that goes away loses its pending puts and its leases). Callers serialise access (the daemon runs
+it on one event loop; the embedded store holds a lock).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Iterator, Protocol
+
+from kvstore.allocator import Allocator
+from kvstore.errors import (KeyExistsError, KeyNotFoundError, LeaseError, ObjectBusyError, ObjectTooLargeError,
+                            StoreFullError)
+from kvstore.meta import ObjectMeta
+
+
+class ReplicaState(Enum):
+    PENDING = "pending"
+    COMPLETE = "complete"
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    id: int
+    meta: ObjectMeta
+    segment: int
+    offset: int
+    reserved: int
+    client: int
+    state: ReplicaState = ReplicaState.PENDING
+    pinned: bool = False
+    if_absent: bool = False
+    expires_at: float | None = None
+    leases: int = 0
+    live: bool = False  # the key's visible version
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> str:
+        return self.meta.key
+
+    @property
+    def size(self) -> int:
+        return self.meta.size
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    id: int
+    replica: Replica
+    client: int
+
+
+class EvictionPolicy(Protocol):
+    """Orders evictable keys. The master tells it about accesses; it proposes victims, oldest first."""
+
+    def add(self, key: str) -> None: ...
+    def touch(self, key: str) -> None: ...
+    def discard(self, key: str) -> None: ...
+    def victims(self) -> Iterator[str]: ...
+
+
+class LRUPolicy:
+    """Least recently used first. ``recency_hint(key)`` may report reads the master did not see (the
+    daemon's shared-memory index records clients' lock-free reads) as CLOCK_MONOTONIC ns; a victim read
+    more recently than the master last saw it gets a second chance."""
+
+    def __init__(self, recency_hint: Callable[[str], int] | None = None) -> None:
+        self._order: OrderedDict[str, int] = OrderedDict()
+        self._hint = recency_hint
+
+    def add(self, key: str) -> None:
+        self._order[key] = time.monotonic_ns()
+        self._order.move_to_end(key)
+
+    def touch(self, key: str) -> None:
+        if key in self._order:
+            self._order[key] = time.monotonic_ns()
+            self._order.move_to_end(key)
+
+    def discard(self, key: str) -> None:
+        self._order.pop(key, None)
+
+    def victims(self) -> Iterator[str]:
+        for key, seen in list(self._order.items()):
+            if self._hint is not None and key in self._order:
+                read = self._hint(key)
+                if read > seen:
+                    self._order[key] = read
+                    self._order.move_to_end(key)
+                    continue
+            yield key
+
+
+class MasterListener(Protocol):
+    """Told when a version becomes visible or stops being visible, and when space is freed."""
+
+    def published(self, replica: Replica) -> None: ...
+    def unpublished(self, replica: Replica) -> None: ...
+
+
+class _NoListener:
+    def published(self, replica: Replica) -> None:
+        pass
+
+    def unpublished(self, replica: Replica) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class _Client:
+    id: int
+    name: str
+    last_seen: float
+    puts: set[int] = field(default_factory=set)
+    leases: set[int] = field(default_factory=set)
+
+
+class Master:
+    def __init__(self, segment_sizes: list[int], *, high_watermark: float = 0.9, low_watermark: float = 0.8,
+                 policy: EvictionPolicy | None = None, alignment: int = 64,
+                 clock: Callable[[], float] = time.monotonic, listener: MasterListener | None = None):
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError(f"need 0 < low <= high <= 1, got low={low_watermark} high={high_watermark}")
+        self.allocators = [Allocator(size, alignment) for size in segment_sizes]
+        self.capacity = sum(a.capacity for a in self.allocators)
+        self.high, self.low = high_watermark, low_watermark
+        self.policy: EvictionPolicy = policy or LRUPolicy()
+        self.listener: MasterListener = listener or _NoListener()
+        self.clock = clock
+        self._live: dict[str, Replica] = {}
+        self._pending: dict[int, Replica] = {}
+        self._leases: dict[int, Lease] = {}
+        self._clients: dict[int, _Client] = {}
+        self._expiry: list[tuple[float, int, str]] = []
+        self._ids = itertools.count(1)
+        self.evictions = 0
+        self.expirations = 0
+
+    # ---- clients ------------------------------------------------------------------------------------
+    def register_client(self, name: str = "") -> int:
+        cid = next(self._ids)
+        self._clients[cid] = _Client(cid, name, self.clock())
+        return cid
+
+    def heartbeat(self, client: int) -> None:
+        if client in self._clients:
+            self._clients[client].last_seen = self.clock()
+
+    def drop_client(self, client: int) -> tuple[int, int]:
+        """Revoke the client's pending puts and release its leases; returns (puts aborted, leases released)."""
+        state = self._clients.pop(client, None)
+        if state is None:
+            return 0, 0
+        for put_id in list(state.puts):
+            self.abort(put_id)
+        for lease_id in list(state.leases):
+            self.release(lease_id)
+        return len(state.puts), len(state.leases)
+
+    def silent_clients(self, timeout: float) -> list[int]:
+        now = self.clock()
+        return [c.id for c in self._clients.values() if now - c.last_seen > timeout]
+
+    # ---- puts ---------------------------------------------------------------------------------------
+    def begin_put(self, meta: ObjectMeta, client: int, *, if_absent: bool = False, pin: bool = False) -> Replica:
+        """Reserve space for ``meta.size`` bytes; the result is PENDING and invisible until ``commit``."""
+        if if_absent and self._lookup_live(meta.key) is not None:
+            raise KeyExistsError(f"key {meta.key!r} already exists")
+        reserved = self.allocators[0].aligned(meta.size)
+        if reserved > max(a.capacity for a in self.allocators):
+            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
+        if self.used_bytes + reserved > self.high * self.capacity:
+            self._evict_until(int(self.low * self.capacity) - reserved)
+        segment, offset = self._allocate(meta.size)
+        replica = Replica(next(self._ids), meta, segment, offset, self.allocators[segment].size_of(offset),
+                          client, pinned=pin, if_absent=if_absent)
+        self._pending[replica.id] = replica
+        self._client(client).puts.add(replica.id)
+        return replica
+
+    def commit(self, put_id: int, checksum: int | None = None) -> Replica:
+        """Make a pending put the key's visible version, atomically replacing the previous one."""
+        replica = self._take_pending(put_id)
+        old = self._lookup_live(replica.key)
+        if replica.if_absent and old is not None:
+            self._free(replica)
+            raise KeyExistsError(f"key {replica.key!r} was committed by another writer first")
+        replica.meta = replica.meta.with_commit(replica.meta.checksum if checksum is None else checksum, replica.id)
+        replica.state = ReplicaState.COMPLETE
+        if replica.meta.ttl is not None:
+            replica.expires_at = self.clock() + replica.meta.ttl
+            heapq.heappush(self._expiry, (replica.expires_at, replica.id, replica.key))
+        if old is not None:
+            self._unlink(old)
+        replica.live = True
+        self._live[replica.key] = replica
+        if not replica.pinned:
+            self.policy.add(replica.key)
+        self.listener.published(replica)
+        return replica
+
+    def abort(self, put_id: int) -> None:
+        self._free(self._take_pending(put_id))
+
+    def pending(self, put_id: int) -> Replica:
+        try:
+            return self._pending[put_id]
+        except KeyError:
+            raise LeaseError(f"no pending put {put_id} (aborted, committed or revoked)") from None
+
+    # ---- reads --------------------------------------------------------------------------------------
+    def lookup(self, key: str) -> Replica:
+        replica = self._lookup_live(key)
+        if replica is None:
+            raise KeyNotFoundError(f"key {key!r} not found")
+        self.policy.touch(key)
+        return replica
+
+    def exists(self, key: str) -> bool:
+        return self._lookup_live(key) is not None
+
+    def lease(self, key: str, client: int) -> Lease:
+        replica = self.lookup(key)
+        lease = Lease(next(self._ids), replica, client)
+        replica.leases += 1
+        self._leases[lease.id] = lease
+        self._client(client).leases.add(lease.id)
+        return lease
+
+    def release(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            raise LeaseError(f"no lease {lease_id} (already released or revoked)")
+        client = self._clients.get(lease.client)
+        if client is not None:
+            client.leases.discard(lease_id)
+        replica = lease.replica
+        replica.leases -= 1
+        if replica.leases == 0 and (not replica.live or self._expired(replica)):
+            if replica.live:
+                self._unlink(replica)
+            else:
+                self._free(replica)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return sorted(k for k, r in self._live.items() if k.startswith(prefix) and not self._expired(r))
+
+    # ---- removal ------------------------------------------------------------------------------------
+    def evict(self, key: str) -> bool:
+        """Drop ``key`` as the cache would; pinned or leased objects raise ObjectBusyError."""
+        replica = self._lookup_live(key)
+        if replica is None:
+            return False
+        if replica.pinned or replica.leases:
+            raise ObjectBusyError(f"key {key!r} is {'pinned' if replica.pinned else 'leased'}; not evicted")
+        self._unlink(replica)
+        self.evictions += 1
+        return True
+
+    def remove(self, key: str) -> bool:
+        """Delete ``key`` (pinned or not); a leased object raises ObjectBusyError."""
+        replica = self._lookup_live(key)
+        if replica is None:
+            return False
+        if replica.leases:
+            raise ObjectBusyError(f"key {key!r} is leased ({replica.leases}); not removed")
+        self._unlink(replica)
+        return True
+
+    def expire(self) -> int:
+        """Drop every object whose TTL has passed (leased ones go when released). Returns how many."""
+        now, dropped = self.clock(), 0
+        while self._expiry and self._expiry[0][0] <= now:
+            _, rid, key = heapq.heappop(self._expiry)
+            replica = self._live.get(key)
+            if replica is not None and replica.id == rid and not replica.leases:
+                self._unlink(replica)
+                self.expirations += 1
+                dropped += 1
+        return dropped
+
+    # ---- stats --------------------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return sum(a.used_bytes for a in self.allocators)
+
+    def stats(self) -> dict:
+        free = sum(a.free_bytes for a in self.allocators)
+        largest = max(a.largest_free() for a in self.allocators)
+        return {
+            "capacity_bytes": self.capacity, "used_bytes": self.used_bytes, "objects": len(self._live),
+            "pending": len(self._pending), "leases": len(self._leases), "evictions": self.evictions,
+            "expirations": self.expirations, "clients": len(self._clients),
+            "fragmentation": 0.0 if free == 0 else round(1.0 - largest / free, 6),
+            "high_watermark": self.high, "low_watermark": self.low,
+        }
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _client(self, client: int) -> _Client:
+        try:
+            return self._clients[client]
+        except KeyError:
+            raise LeaseError(f"client {client} is not registered (dropped after a disconnect?)") from None
+
+    def _expired(self, replica: Replica) -> bool:
+        return replica.expires_at is not None and replica.expires_at <= self.clock()
+
+    def _lookup_live(self, key: str) -> Replica | None:
+        replica = self._live.get(key)
+        if replica is not None and self._expired(replica):
+            if not replica.leases:
+                self._unlink(replica)
+                self.expirations += 1
+            return None
+        return replica
+
+    def _take_pending(self, put_id: int) -> Replica:
+        replica = self.pending(put_id)
+        del self._pending[put_id]
+        client = self._clients.get(replica.client)
+        if client is not None:
+            client.puts.discard(put_id)
+        return replica
+
+    def _allocate(self, nbytes: int) -> tuple[int, int]:
+        while True:
+            for segment, allocator in enumerate(self.allocators):
+                offset = allocator.allocate(nbytes)
+                if offset is not None:
+                    return segment, offset
+            if not self._evict_one():
+                stats = self.stats()
+                raise StoreFullError(
+                    f"no room for {nbytes} bytes: {stats['used_bytes']} of {self.capacity} used, "
+                    f"{stats['leases']} leases and {stats['pending']} pending puts hold the rest")
+
+    def _evict_until(self, target_used: int) -> None:
+        while self.used_bytes > target_used and self._evict_one():
+            pass
+
+    def _evict_one(self) -> bool:
+        for key in self.policy.victims():
+            replica = self._live.get(key)
+            if replica is None:
+                self.policy.discard(key)
+                continue
+            if replica.leases or replica.pinned:
+                continue
+            self._unlink(replica)
+            self.evictions += 1
+            return True
+        return False
+
+    def _unlink(self, replica: Replica) -> None:
+        """Stop showing ``replica``; free its space now, or when its last lease goes."""
+        if replica.live:
+            replica.live = False
+            if self._live.get(replica.key) is replica:
+                del self._live[replica.key]
+            self.policy.discard(replica.key)
+            self.listener.unpublished(replica)
+        if replica.leases == 0:
+            self._free(replica)
+
+    def _free(self, replica: Replica) -> None:
+        self.allocators[replica.segment].free(replica.offset)

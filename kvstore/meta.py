@@ -1,0 +1,171 @@
+"""Object metadata and its wire schema, plus key validation.
+
+``ObjectMeta`` travels with every object: size, how to rebuild the value (kind, dtype, shape), the xxh3
+checksum recorded at commit, producer, creation time, TTL and the caller's own small metadata dict.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from kvstore.errors import InvalidArgumentError, InvalidKeyError
+
+SCHEMA_VERSION = 1
+MAX_KEY_BYTES = 1024
+MAX_USER_META_ITEMS = 64
+VALUE_KINDS = ("bytes", "numpy", "torch")
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` as str; raise InvalidKeyError for empty, non-UTF-8 or over-1-KiB keys."""
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        try:
+            key = bytes(key).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidKeyError(f"key is not valid UTF-8: {bytes(key)[:64]!r}") from None
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"key must be str or UTF-8 bytes, got {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError("key is empty")
+    try:
+        encoded = key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidKeyError(f"key is not valid UTF-8 (lone surrogate in {key[:64]!r})") from None
+    if len(encoded) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"key is {len(encoded)} bytes, the maximum is {MAX_KEY_BYTES}")
+    return key
+
+
+def validate_ttl(ttl: object) -> float | None:
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 or ttl != ttl:
+        raise InvalidArgumentError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
+    return float(ttl)
+
+
+def validate_user_meta(meta: object) -> dict:
+    """The caller's metadata: a small dict of str keys to msgpack-safe scalars, lists or dicts."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise InvalidArgumentError(f"meta must be a dict or None, got {type(meta).__name__}")
+    if len(meta) > MAX_USER_META_ITEMS:
+        raise InvalidArgumentError(f"meta has {len(meta)} items, the maximum is {MAX_USER_META_ITEMS}")
+    for k, v in meta.items():
+        if not isinstance(k, str):
+            raise InvalidArgumentError(f"meta keys must be str, got {k!r}")
+        _check_plain(v, f"meta[{k!r}]")
+    return dict(meta)
+
+
+def _check_plain(value: object, where: str, depth: int = 0) -> None:
+    if depth > 8:
+        raise InvalidArgumentError(f"{where} is nested too deeply")
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for k, item in value.items():
+            if not isinstance(k, str):
+                raise InvalidArgumentError(f"{where} has a non-str key {k!r}")
+            _check_plain(item, f"{where}[{k!r}]", depth + 1)
+        return
+    raise InvalidArgumentError(f"{where} has a {type(value).__name__}, which is not msgpack-safe")
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectMeta:
+    """What is known about one committed object. ``version`` grows with every commit of any key."""
+
+    key: str
+    size: int
+    kind: str = "bytes"
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    checksum: int | None = None
+    producer: str = ""
+    created: float = field(default_factory=time.time)
+    ttl: float | None = None
+    version: int = 0
+    compression: str = "none"
+    user: dict = field(default_factory=dict)
+    schema: int = SCHEMA_VERSION
+
+    def with_commit(self, checksum: int | None, version: int) -> "ObjectMeta":
+        return replace(self, checksum=checksum, version=version, created=time.time())
+
+    def to_wire(self) -> dict:
+        return {
+            "key": self.key, "size": self.size, "kind": self.kind, "dtype": self.dtype,
+            "shape": list(self.shape) if self.shape is not None else None, "checksum": self.checksum,
+            "producer": self.producer, "created": self.created, "ttl": self.ttl, "version": self.version,
+            "compression": self.compression, "user": self.user, "schema": self.schema,
+        }
+
+    @classmethod
+    def from_wire(cls, d: object) -> "ObjectMeta":
+        """Validate and rebuild; raise InvalidArgumentError naming the bad field."""
+        if not isinstance(d, dict):
+            raise InvalidArgumentError(f"object meta must be a map, got {type(d).__name__}")
+        try:
+            meta = cls(
+                key=validate_key(d["key"]),
+                size=_int(d, "size"),
+                kind=_choice(d.get("kind", "bytes"), VALUE_KINDS, "kind"),
+                dtype=_opt_str(d.get("dtype"), "dtype"),
+                shape=_shape(d.get("shape")),
+                checksum=_opt_int(d.get("checksum"), "checksum"),
+                producer=str(d.get("producer", "")),
+                created=float(d.get("created", time.time())),
+                ttl=validate_ttl(d.get("ttl")),
+                version=_int(d, "version", default=0),
+                compression=str(d.get("compression", "none")),
+                user=validate_user_meta(d.get("user")),
+                schema=_int(d, "schema", default=SCHEMA_VERSION),
+            )
+        except KeyError as exc:
+            raise InvalidArgumentError(f"object meta lacks field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, InvalidArgumentError):
+                raise
+            raise InvalidArgumentError(f"bad object meta: {exc}") from None
+        return meta
+
+
+def _int(d: dict, name: str, default: int | None = None) -> int:
+    value = d.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"field {name!r} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _opt_int(value: object, name: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InvalidArgumentError(f"field {name!r} must be an int or None, got {value!r}")
+    return value
+
+
+def _opt_str(value: object, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgumentError(f"field {name!r} must be a str or None, got {value!r}")
+    return value
+
+
+def _choice(value: object, allowed: tuple[str, ...], name: str) -> str:
+    if value not in allowed:
+        raise InvalidArgumentError(f"field {name!r} must be one of {allowed}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _shape(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+        raise InvalidArgumentError(f"field 'shape' must be a list of non-negative ints, got {value!r}")
+    return tuple(value)

@@ -1,0 +1,52 @@
+"""Metrics: Prometheus counters and histograms of the daemon (served only with ``--metrics-port``)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class Metrics:
+    """Ops by kind and result, bytes in and out, latency per op, and store gauges read at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict] | None = None):
+        self.enabled = stats is not None
+        if not self.enabled:
+            return
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client.core import GaugeMetricFamily
+
+        self.registry = CollectorRegistry()
+        self._ops = Counter("kvstore_ops", "Requests served", ["op", "result"], registry=self.registry)
+        self._in = Counter("kvstore_bytes_in", "Payload bytes stored", registry=self.registry)
+        self._out = Counter("kvstore_bytes_out", "Payload bytes streamed out", registry=self.registry)
+        self._latency = Histogram("kvstore_op_seconds", "Request latency", ["op"], registry=self.registry,
+                                  buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3))
+
+        class _StoreCollector:
+            def collect(self_inner):
+                s = stats()
+                for name in ("capacity_bytes", "used_bytes", "objects", "leases", "pending", "evictions",
+                             "expirations", "clients"):
+                    g = GaugeMetricFamily(f"kvstore_{name}", f"Store {name.replace('_', ' ')}")
+                    g.add_metric([], s[name])
+                    yield g
+
+        self.registry.register(_StoreCollector())
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def op(self, op: str, result: str, seconds: float) -> None:
+        if self.enabled:
+            self._ops.labels(op, result).inc()
+            self._latency.labels(op).observe(seconds)
+
+    def bytes_in(self, n: int) -> None:
+        if self.enabled:
+            self._in.inc(n)
+
+    def bytes_out(self, n: int) -> None:
+        if self.enabled:
+            self._out.inc(n)

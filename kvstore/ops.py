@@ -1,0 +1,317 @@
+"""Paged-KV packing: gather one request's blocks from every layer's cache into one contiguous buffer, and
+scatter them back.
+
+The packed format is block-major: ``packed[i, l]`` holds block ``block_ids[i]`` of layer ``l`` in the layout's
+block order (``layout.block_shape``), so any run of blocks ``packed[a:b]`` is itself a valid packed buffer and
+can be stored as one object or per chunk without another copy. ``docs/kv_layout.md`` has the shapes and a
+worked example.
+
+Both ops are ``torch.library.custom_op``s (``kvstore::gather_pages``, ``kvstore::scatter_pages``) with fake
+implementations, so they work under ``torch.compile``. Every input is validated before a kernel runs; errors
+are ``TypeError`` (wrong kind of thing) or ``ValueError`` (wrong value), naming expected and actual values.
+On CUDA the block-id range check reads the ids back, which waits for the caller's current stream.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvstore.layout import KVLayout, KVLayoutKind, dtype_name
+
+__all__ = ["packed_shape", "packed_nbytes", "gather_pages", "scatter_pages"]
+
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
+# -- public API ---------------------------------------------------------------------------------------------
+def packed_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+    """Shape of the packed buffer for ``num_blocks`` blocks: ``(num_blocks, num_layers, *layout.block_shape)``."""
+    _check_layout_type(layout)
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+    return (num_blocks, layout.num_layers, *layout.block_shape)
+
+
+def packed_nbytes(layout: KVLayout, num_blocks: int) -> int:
+    """Bytes of the packed buffer for ``num_blocks`` blocks (``num_blocks * layout.block_nbytes``)."""
+    packed_shape(layout, num_blocks)  # validates
+    return num_blocks * layout.block_nbytes
+
+
+def gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor, *,
+                 layout: KVLayout) -> torch.Tensor:
+    """Copy blocks ``block_ids`` of every layer into ``out`` and return ``out``.
+
+    ``kv_caches``: one tensor per layer, each of shape ``layout.cache_shape(num_cache_blocks)`` (any strides);
+    ``block_ids``: 1-D int32/int64 on the caches' device, each in ``[0, num_cache_blocks)`` (repeats allowed);
+    ``out``: contiguous, ``packed_shape(layout, len(block_ids))``, the caches' dtype and device, not
+    overlapping any cache. Raises TypeError/ValueError before anything is copied.
+    """
+    kv_caches = _check_call(layout, kv_caches, block_ids, out, "out")
+    torch.ops.kvstore.gather_pages(kv_caches, block_ids, out, layout.kind.value)
+    return out
+
+
+def scatter_pages(src: torch.Tensor, block_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor], *,
+                  layout: KVLayout) -> None:
+    """Copy the packed ``src`` into blocks ``block_ids`` of every layer's cache (in place).
+
+    Shapes as for :func:`gather_pages`, with ``src`` in the place of ``out``. ``block_ids`` must not repeat
+    (two writes to one block would race), and the caches must be distinct, non-self-overlapping tensors that
+    do not overlap ``src``. Raises TypeError/ValueError before anything is copied.
+    """
+    kv_caches = _check_call(layout, kv_caches, block_ids, src, "src")
+    torch.ops.kvstore.scatter_pages(src, block_ids, kv_caches, layout.kind.value)
+
+
+# -- the registered ops --------------------------------------------------------------------------------------
+@torch.library.custom_op("kvstore::gather_pages", mutates_args=("out",))
+def _gather_pages_op(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor,
+                     layout_kind: str) -> None:
+    pages = _inspect(layout_kind, kv_caches, block_ids, out, "out")
+    ids = _checked_ids(block_ids, pages.num_cache_blocks, unique=False)
+    _check_disjoint(out, "out", kv_caches)
+    _launch(pages, kv_caches, ids, out, gather=True)
+
+
+@_gather_pages_op.register_fake
+def _(kv_caches, block_ids, out, layout_kind):
+    _inspect(layout_kind, kv_caches, block_ids, out, "out")
+
+
+@torch.library.custom_op("kvstore::scatter_pages", mutates_args=("kv_caches",))
+def _scatter_pages_op(src: torch.Tensor, block_ids: torch.Tensor, kv_caches: list[torch.Tensor],
+                      layout_kind: str) -> None:
+    pages = _inspect(layout_kind, kv_caches, block_ids, src, "src")
+    ids = _checked_ids(block_ids, pages.num_cache_blocks, unique=True)
+    _check_writable_caches(kv_caches)
+    _check_disjoint(src, "src", kv_caches)
+    _launch(pages, kv_caches, ids, src, gather=False)
+
+
+@_scatter_pages_op.register_fake
+def _(src, block_ids, kv_caches, layout_kind):
+    _inspect(layout_kind, kv_caches, block_ids, src, "src")
+
+
+# -- validation ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Pages:
+    """What the kernels need, read off validated tensors. Strides are in elements."""
+
+    num_layers: int
+    num_cache_blocks: int
+    block_stride: int
+    dim_sizes: list[int]
+    dim_strides: list[int]
+    itemsize: int
+
+
+def _check_layout_type(layout: object) -> None:
+    if not isinstance(layout, KVLayout):
+        raise TypeError(f"layout must be a kvstore.KVLayout, got {type(layout).__name__}")
+
+
+def _check_call(layout: KVLayout, kv_caches, block_ids, packed, name: str) -> list[torch.Tensor]:
+    """Checks the caches against the layout (the op itself checks them against each other and ``packed``)."""
+    _check_layout_type(layout)
+    if isinstance(kv_caches, torch.Tensor) or not isinstance(kv_caches, Sequence):
+        raise TypeError(f"kv_caches must be a list of tensors (one per layer), got {type(kv_caches).__name__}")
+    kv_caches = list(kv_caches)
+    if len(kv_caches) != layout.num_layers:
+        raise ValueError(f"kv_caches: expected {layout.num_layers} layers (layout.num_layers), got {len(kv_caches)}")
+    block_dim = layout.kind.cache_dims.index("block")
+    for i, cache in enumerate(kv_caches):
+        if not isinstance(cache, torch.Tensor):
+            raise TypeError(f"kv_caches[{i}] must be a torch.Tensor, got {type(cache).__name__}")
+        if cache.dtype != layout.dtype:
+            raise TypeError(f"kv_caches[{i}]: expected dtype {layout.dtype} (layout.dtype), got {cache.dtype}")
+        expected = layout.cache_shape(cache.shape[block_dim] if cache.dim() > block_dim else 0)
+        if tuple(cache.shape) != expected:
+            shown = tuple("num_blocks" if d == block_dim else s for d, s in enumerate(expected))
+            raise ValueError(f"kv_caches[{i}]: expected shape {shown} for {layout.kind.name} "
+                             f"{layout.kind.cache_dims}, got {tuple(cache.shape)}")
+    return kv_caches
+
+
+def _inspect(layout_kind: str, kv_caches: list[torch.Tensor], block_ids, packed, name: str) -> _Pages:
+    """Checks the op's arguments for consistency with each other; runs on real and on fake tensors."""
+    kind = KVLayoutKind.parse(layout_kind)
+    if len(kv_caches) == 0:
+        raise ValueError("kv_caches: expected at least one layer, got an empty list")
+    first = kv_caches[0]
+    dims = kind.cache_dims
+    if first.dim() != len(dims):
+        raise ValueError(f"kv_caches[0]: expected {len(dims)} dims {dims} for {kind.name}, got shape "
+                         f"{tuple(first.shape)}")
+    if "kv" in dims and first.shape[dims.index("kv")] != 2:
+        raise ValueError(f"kv_caches[0]: expected size 2 (K and V) at dim {dims.index('kv')} for {kind.name}, "
+                         f"got shape {tuple(first.shape)}")
+    if first.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"kv_caches[0]: expected a cpu or cuda tensor, got device {first.device}")
+    try:
+        dtype_name(first.dtype)
+    except ValueError as exc:
+        raise TypeError(f"kv_caches[0]: {exc}") from None
+    for i, cache in enumerate(kv_caches[1:], start=1):
+        for what, want, got in (("shape", first.shape, cache.shape), ("stride", first.stride(), cache.stride()),
+                                ("dtype", first.dtype, cache.dtype), ("device", first.device, cache.device)):
+            if want != got:
+                error = TypeError if what == "dtype" else ValueError
+                raise error(f"kv_caches[{i}]: expected the {what} of kv_caches[0], {want}, got {got}")
+    _check_ids_tensor(block_ids, first.device)
+    block_dim = dims.index("block")
+    block_dims = [dims.index(d) for d in kind.block_dims]
+    expected = (block_ids.shape[0], len(kv_caches), *(first.shape[d] for d in block_dims))
+    _check_packed(packed, name, expected, first)
+    return _Pages(num_layers=len(kv_caches), num_cache_blocks=first.shape[block_dim],
+                  block_stride=first.stride(block_dim), dim_sizes=[first.shape[d] for d in block_dims],
+                  dim_strides=[first.stride(d) for d in block_dims], itemsize=first.element_size())
+
+
+def _check_ids_tensor(block_ids, device: torch.device) -> None:
+    if not isinstance(block_ids, torch.Tensor):
+        raise TypeError(f"block_ids must be a torch.Tensor of int32/int64, got {type(block_ids).__name__}")
+    if block_ids.dtype not in _ID_DTYPES:
+        raise TypeError(f"block_ids: expected dtype torch.int32 or torch.int64, got {block_ids.dtype}")
+    if block_ids.dim() != 1:
+        raise ValueError(f"block_ids: expected a 1-D tensor, got shape {tuple(block_ids.shape)}")
+    if block_ids.device != device:
+        raise ValueError(f"block_ids: expected device {device} (the caches' device), got {block_ids.device}")
+
+
+def _check_packed(packed, name: str, expected: tuple, cache: torch.Tensor) -> None:
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dtype != cache.dtype:
+        raise TypeError(f"{name}: expected dtype {cache.dtype} (the caches' dtype), got {packed.dtype}")
+    if packed.device != cache.device:
+        raise ValueError(f"{name}: expected device {cache.device} (the caches' device), got {packed.device}")
+    if tuple(packed.shape) != expected:
+        raise ValueError(f"{name}: expected packed shape {expected} (blocks, layers, *block_shape), got "
+                         f"{tuple(packed.shape)}")
+    if not packed.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {packed.stride()}")
+
+
+def _checked_ids(block_ids: torch.Tensor, num_cache_blocks: int, unique: bool) -> torch.Tensor:
+    """Contiguous ids after checking the range (and uniqueness); one host read of three numbers."""
+    ids = block_ids.contiguous()
+    if ids.numel() == 0:
+        return ids
+    if unique:
+        ordered = torch.sort(ids).values
+        stats = torch.stack([ordered[0], ordered[-1], (ordered[1:] == ordered[:-1]).sum().to(ids.dtype)])
+    else:
+        stats = torch.stack(torch.aminmax(ids))
+    low, high, *dups = stats.tolist()
+    if low < 0 or high >= num_cache_blocks:
+        bad = ((ids < 0) | (ids >= num_cache_blocks)).nonzero()[0, 0].item()
+        raise ValueError(f"block_ids[{bad}] = {ids[bad].item()} is out of range: expected 0 <= id < "
+                         f"{num_cache_blocks} (blocks in each cache)")
+    if dups and dups[0]:
+        value = ordered[1:][ordered[1:] == ordered[:-1]][0].item()
+        where = (ids == value).nonzero().flatten().tolist()
+        raise ValueError(f"block_ids: expected distinct ids for scatter, got {value} at positions {where}")
+    return ids
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [start, end) a tensor's elements occupy (strides are non-negative in torch)."""
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+
+
+def _check_disjoint(packed: torch.Tensor, name: str, kv_caches: list[torch.Tensor]) -> None:
+    start, end = _span(packed)
+    for i, cache in enumerate(kv_caches):
+        c_start, c_end = _span(cache)
+        if start < c_end and c_start < end:
+            raise ValueError(f"{name} overlaps kv_caches[{i}] in memory ({name} bytes [{start:#x}, {end:#x}), "
+                             f"cache bytes [{c_start:#x}, {c_end:#x})); expected disjoint source and destination")
+
+
+def _check_writable_caches(kv_caches: list[torch.Tensor]) -> None:
+    """Scatter destinations: no element reachable twice, and no layer passed twice."""
+    first = kv_caches[0]
+    dims = sorted((st, sz) for sz, st in zip(first.shape, first.stride()) if sz > 1)
+    extent = 1
+    for stride, size in dims:
+        if stride < extent:
+            raise ValueError(f"kv_caches: expected non-overlapping strides, got shape {tuple(first.shape)} with "
+                             f"strides {first.stride()} (an expanded or aliased view cannot be written)")
+        extent = stride * size
+    seen: dict[int, int] = {}
+    for i, cache in enumerate(kv_caches):
+        j = seen.setdefault(cache.data_ptr(), i)
+        if j != i:
+            raise ValueError(f"kv_caches[{j}] and kv_caches[{i}] are the same memory; expected one tensor per layer")
+
+
+# -- kernels -------------------------------------------------------------------------------------------------
+def _native(name: str):
+    try:
+        return importlib.import_module(f"kvstore.{name}")
+    except ImportError as exc:
+        hint = ("kvstore was built without CUDA kernels: rebuild with nvcc on PATH (KVSTORE_CUDA=1 pip install -e .)"
+                if name == "_C_cuda" else "kvstore's native extension is not built: run `pip install -e .`")
+        raise RuntimeError(f"{hint} ({exc})") from exc
+
+
+def _launch(pages: _Pages, kv_caches: list[torch.Tensor], ids: torch.Tensor, packed: torch.Tensor,
+            gather: bool) -> None:
+    if ids.numel() == 0:
+        return
+    common = dict(block_ids=ids.data_ptr(), ids_int64=ids.dtype == torch.int64, num_ids=ids.numel(),
+                  num_cache_blocks=pages.num_cache_blocks, block_stride=pages.block_stride,
+                  dim_sizes=pages.dim_sizes, dim_strides=pages.dim_strides, itemsize=pages.itemsize,
+                  packed=packed.data_ptr())
+    if packed.device.type == "cpu":
+        native = _native("_C")
+        fn = native.gather_pages if gather else native.scatter_pages
+        fn(layer_ptrs=[t.data_ptr() for t in kv_caches], num_threads=torch.get_num_threads(), **common)
+        return
+    native = _native("_C_cuda")
+    device = packed.device
+    stream = torch.cuda.current_stream(device)
+    table, bits = _layer_table(kv_caches, device)
+    table.record_stream(stream)  # the table may be evicted while this launch is still queued
+    fn = native.gather_pages if gather else native.scatter_pages
+    fn(layer_ptrs=table.data_ptr(), layer_ptr_bits=bits, num_layers=pages.num_layers, device=device.index,
+       stream=stream.cuda_stream, **common)
+
+
+_TABLE_CAPACITY = 64
+_tables: collections.OrderedDict[tuple, tuple[torch.Tensor, int]] = collections.OrderedDict()
+_tables_lock = threading.Lock()
+
+
+def _layer_table(kv_caches: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """Device array of the layers' base addresses (and their OR), built once per set of caches.
+
+    Keyed by the addresses themselves, so a hit is always correct, even after the caches were reallocated.
+    """
+    ptrs = tuple(t.data_ptr() for t in kv_caches)
+    key = (device.index, ptrs)
+    with _tables_lock:
+        hit = _tables.get(key)
+        if hit is not None:
+            _tables.move_to_end(key)
+            return hit
+    bits = 0
+    for p in ptrs:
+        bits |= p
+    entry = (torch.tensor(ptrs, dtype=torch.int64).to(device), bits)
+    with _tables_lock:
+        _tables[key] = entry
+        while len(_tables) > _TABLE_CAPACITY:
+            _tables.popitem(last=False)
+    return entry

@@ -1,0 +1,185 @@
+"""RemoteStore: a client of ``kvstore serve`` over a Unix socket or TCP, with a pluggable data path.
+
+Small objects (up to ``INLINE_MAX``) travel inline on the control connection: one round trip. Larger ones
+take the negotiated transport (``shm``: one copy into or out of the mapped segment). On the same host a
+``get_into`` first tries the daemon's shared-memory index: no round trip at all.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+import transports
+from kvstore.client import KVStore
+from kvstore.errors import ObjectTooLargeError, StoreConnectionError, TransportError
+from kvstore.index import IndexReader
+from kvstore.meta import ObjectMeta
+from kvstore.rpc import Connection
+from kvstore.url import Endpoint, host_id
+from kvstore.value import KVObject, Payload
+from transports.base import TransportFailure
+from transports.shm import SharedMemory
+from transports.tcp import StreamTransport
+
+INLINE_MAX = 64 << 10
+
+
+class RemoteStore(KVStore):
+    def __init__(self, url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
+                 client_name: str = ""):
+        self.endpoint = Endpoint.parse(url)
+        self.timeout = timeout
+        self._conn = Connection(self.endpoint, timeout)
+        self._index: IndexReader | None = None
+        self._index_shm: SharedMemory | None = None
+        try:
+            hello = self._conn.call({"op": "hello", "client": client_name or f"pid-{os.getpid()}",
+                                     "token": token, "transport": transport, "host": host_id(),
+                                     "pid": os.getpid()})
+            self.transport = hello["transport"]
+            segments = {sid: (name, size) for sid, name, size in hello["segments"]}
+            self._data = transports.get(self.transport)(segments)
+            self._inline = StreamTransport()
+            if self.transport == "shm":
+                self._index_shm = SharedMemory.attach(*hello["index"])
+                self._index = IndexReader(self._index_shm.buf, self._data.region)
+        except TransportFailure as exc:
+            self._conn.close()
+            raise TransportError(str(exc)) from None
+        except BaseException:
+            self._conn.close()
+            raise
+        self.capacity = hello["capacity"]
+        self.client_id = hello["client_id"]
+        self.producer = f"{host_id()}:{os.getpid()}:{self.client_id}"
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, args=(hello["heartbeat_s"] / 3,),
+                                           name="kvstore-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self, period: float) -> None:
+        while not self._stop.wait(period):
+            try:
+                self._conn.try_call({"op": "ping"})
+            except Exception:
+                return  # the next real call reports the failure
+
+    def _path(self, size: int):
+        return self._inline if size <= INLINE_MAX else self._data
+
+    def _call(self, op: str, **fields: Any) -> Any:
+        return self._conn.call({"op": op, **fields}).get("value")
+
+    # ---- primitives ---------------------------------------------------------------------------------
+    def _put(self, meta: ObjectMeta, payload: Payload, *, if_absent: bool, pin: bool) -> ObjectMeta:
+        if meta.size > self.capacity:
+            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
+        request = {"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(),
+                   "if_absent": if_absent, "pin": pin}
+        try:
+            reply = self._path(meta.size).put(self._conn, request, payload.view)
+        except TransportFailure as exc:
+            raise TransportError(f"put of {meta.key!r} failed on the {self.transport} path: {exc}") from None
+        return ObjectMeta.from_wire(reply["meta"])
+
+    def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
+        if self._index is not None:
+            hit = self._index.read_into(key, fit)
+            if hit is not None:
+                return hit[0], hit[2]
+        reply = self._read(key, lambda r: fit(r["meta"]["size"]), self._data)
+        meta = reply["meta"]
+        if not reply.get("stream"):
+            fit(meta["size"])  # a zero-byte object still checks the buffer
+        return meta["size"], meta["checksum"]
+
+    def _read(self, key: str, dst: Callable[[dict], memoryview], path) -> dict:
+        request = {"op": "get", "key": key}
+        try:
+            return path.get_into(self._conn, request, dst)
+        except TransportFailure as exc:
+            raise TransportError(f"get of {key!r} failed on the {self.transport} path: {exc}") from None
+
+    def _get(self, key: str, *, copy: bool) -> KVObject:
+        if self.transport != "shm":
+            holder: dict = {}
+            reply = self._read(key, lambda r: holder.setdefault("buf", memoryview(bytearray(r["stream"]))),
+                               self._inline)
+            return KVObject.wrap(holder.get("buf", b""), ObjectMeta.from_wire(reply["meta"]))
+        reply = self._conn.call({"op": "get", "key": key, "mode": "region"})
+        meta = ObjectMeta.from_wire(reply["meta"])
+        try:
+            region = self._data.region(reply["segment"], reply["offset"], reply["size"])
+        except BaseException:
+            self._conn.queue_release(reply["lease"])
+            raise
+        if not copy:
+            lease = reply["lease"]
+            return KVObject.wrap(region, meta, on_release=lambda: self._conn.queue_release(lease))
+        try:
+            return KVObject.wrap(bytearray(region), meta)
+        finally:
+            region.release()
+            self._conn.queue_release(reply["lease"])
+
+    def _lease(self, key: str) -> tuple[Any, ObjectMeta]:
+        reply = self._conn.call({"op": "lease", "key": key})
+        return reply["lease"], ObjectMeta.from_wire(reply["meta"])
+
+    def _release(self, handle: Any) -> None:
+        if not self._conn.closed:
+            self._conn.call({"op": "release", "lease": handle})
+
+    # ---- metadata -----------------------------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self._call("exists", key=key)
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._call("batch_exists", keys=list(keys))
+
+    def evict(self, key: str) -> bool:
+        return self._call("evict", key=key)
+
+    def remove(self, key: str) -> bool:
+        return self._call("remove", key=key)
+
+    def wait(self, keys: Sequence[str], timeout: float) -> str | None:
+        return self._conn.call({"op": "wait", "keys": list(keys), "timeout": timeout},
+                               timeout=timeout + self.timeout).get("value")
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return self._call("ls", prefix=prefix)
+
+    def inspect(self, key: str) -> dict:
+        info = self._call("inspect", key=key)
+        info["client_transport"] = self.transport
+        return info
+
+    def stats(self) -> dict:
+        out = self._call("stats")
+        out["transport"] = self.transport
+        return out
+
+    def ping(self) -> None:
+        self._call("ping")
+
+    def close(self) -> None:
+        if self._conn.closed and self._stop.is_set():
+            return
+        self._stop.set()
+        self._conn.close()
+        self._data.close()
+        if self._index_shm is not None:
+            self._index = None
+            self._index_shm.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+__all__ = ["RemoteStore", "StoreConnectionError"]

@@ -1,0 +1,273 @@
+"""Server: the ``kvstore serve`` daemon — listeners, segments, the shared-memory index, housekeeping and a
+graceful shutdown. One asyncio loop (uvloop when installed) owns the master, so it needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import stat
+import time
+from dataclasses import dataclass, field
+
+from kvstore import index as shm_index
+from kvstore.errors import InvalidArgumentError, TransportError
+from kvstore.master import LRUPolicy, Master, Replica
+from kvstore.metrics import Metrics
+from kvstore.segment import SegmentSet, reap_orphans
+from kvstore.session import Session
+from kvstore.url import Endpoint, host_id
+from transports.shm import SharedMemory
+from transports.tcp import tune
+
+log = logging.getLogger("kvstore.server")
+SERVED_TRANSPORTS = ("shm", "tcp")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: tuple[str, ...] = ("unix:///tmp/kvstore.sock",)
+    capacity: int = 1 << 30
+    metrics_port: int | None = None
+    token: str | None = None
+    insecure: bool = False
+    high_watermark: float = 0.9
+    low_watermark: float = 0.8
+    heartbeat_timeout: float = 30.0
+    grace: float = 10.0
+    endpoints: tuple[Endpoint, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            raise InvalidArgumentError("give at least one --listen address")
+        endpoints = tuple(Endpoint.parse(url) for url in self.listen)
+        for ep in endpoints:
+            if not ep.is_loopback() and self.token is None and not self.insecure:
+                raise InvalidArgumentError(f"refusing to listen on non-loopback {ep} without a token "
+                                           "(--token-file) or --insecure")
+        if self.capacity <= 0:
+            raise InvalidArgumentError(f"capacity must be positive, got {self.capacity}")
+        object.__setattr__(self, "endpoints", endpoints)
+
+
+class _Publisher:
+    """Master listener: mirrors visible versions into the shared-memory index and wakes waiters."""
+
+    def __init__(self, server: "Server"):
+        self.server = server
+
+    def published(self, replica: Replica) -> None:
+        meta = replica.meta
+        self.server.index.publish(meta.key, replica.id, replica.segment, replica.offset, meta.size,
+                                  replica.expires_at, meta.checksum)
+        for fut in self.server.waiters.pop(meta.key, ()):
+            if not fut.done():
+                fut.set_result(meta.key)
+
+    def unpublished(self, replica: Replica) -> None:
+        self.server.index.unpublish(replica.key, replica.id)
+
+
+class Server:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.host_id = host_id()
+        self.pid = os.getpid()
+        self.sessions: set[Session] = set()
+        self.waiters: dict[str, list[asyncio.Future]] = {}
+        self.draining = False
+        self._listeners: list[socket.socket] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._stopped = asyncio.Event()
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        for name in reap_orphans():
+            log.info("removed shared memory %s left by a dead daemon", name)
+        self.segments = SegmentSet([cfg.capacity])
+        slots = shm_index.slots_for_capacity(cfg.capacity)
+        self._index_shm = SharedMemory.create(f"{self.segments.stem}-index", shm_index.table_bytes(slots))
+        self.index = shm_index.IndexWriter(self._index_shm.buf, slots)
+        self.master = Master([cfg.capacity], high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
+                             policy=LRUPolicy(self.index.atime), listener=_Publisher(self))
+        self.metrics = Metrics(self.stats if cfg.metrics_port is not None else None)
+        if cfg.metrics_port is not None:
+            self.metrics.serve(cfg.metrics_port)
+        for ep in cfg.endpoints:
+            self._listeners.append(self._bind(ep))
+        loop = asyncio.get_running_loop()
+        for lsock, ep in zip(self._listeners, cfg.endpoints):
+            self._spawn(self._accept(lsock, ep))
+        self._spawn(self._housekeeping())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        log.info("serving %s, capacity %d bytes, segments %s", ", ".join(map(str, cfg.endpoints)), cfg.capacity,
+                 [s.name for s in self.segments.segments])
+
+    def _bind(self, ep: Endpoint) -> socket.socket:
+        if ep.scheme == "unix":
+            _refuse_if_live(ep.path)
+            _remove_stale_socket(ep.path)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old = os.umask(0o177)  # created 0600: no window where others could connect
+            try:
+                sock.bind(ep.path)
+            finally:
+                os.umask(old)
+        else:
+            family = socket.AF_INET6 if ":" in ep.host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((ep.host, ep.port))
+        sock.listen(256)
+        sock.setblocking(False)
+        return sock
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, lsock: socket.socket, ep: Endpoint) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.draining:
+            try:
+                conn, addr = await loop.sock_accept(lsock)
+            except OSError:
+                if self.draining:
+                    return
+                raise
+            conn.setblocking(False)
+            tune(conn)
+            peer = f"{ep}" if ep.scheme == "unix" else f"tcp://{addr[0]}:{addr[1]}"
+            session = Session(self, conn, peer)
+            self.sessions.add(session)
+            self._spawn(session.run())
+
+    async def _housekeeping(self) -> None:
+        while not self.draining:
+            await asyncio.sleep(0.5)
+            self.master.expire()
+            silent = set(self.master.silent_clients(self.config.heartbeat_timeout))
+            for session in list(self.sessions):
+                if session.client in silent:
+                    log.warning("client %s silent for over %.0f s: dropping it", session.peer,
+                                self.config.heartbeat_timeout)
+                    session.close()
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def serve_forever(self) -> None:
+        await self._stopped.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let in-flight requests finish (up to the grace period), then free everything."""
+        log.info("shutting down: %d sessions", len(self.sessions))
+        self.draining = True
+        for lsock in self._listeners:
+            lsock.close()
+        deadline = time.monotonic() + self.config.grace
+        while any(s.busy for s in self.sessions) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for session in list(self.sessions):
+            session.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for ep in self.config.endpoints:
+            if ep.scheme == "unix":
+                _remove_stale_socket(ep.path)
+        self._index_shm.unlink()
+        self._index_shm.close()
+        self.segments.close()
+        log.info("stopped")
+
+    # ---- services for sessions ----------------------------------------------------------------------
+    def choose_transport(self, requested: str, client_host: str, peer: str) -> str:
+        same_host = client_host == self.host_id
+        if requested == "auto":
+            return "shm" if same_host else "tcp"
+        if requested not in SERVED_TRANSPORTS:
+            raise TransportError(f"transport {requested!r} is not served here; this daemon serves "
+                                 f"{list(SERVED_TRANSPORTS)}")
+        if requested == "shm" and not same_host:
+            raise TransportError(f"transport 'shm' needs the client on the daemon's host ({self.host_id}); "
+                                 f"client {peer} is on {client_host or 'an unknown host'}")
+        return requested
+
+    def index_info(self) -> list:
+        return [self._index_shm.name, self._index_shm.size]
+
+    def stats(self) -> dict:
+        out = self.master.stats()
+        out["clients_by_transport"] = {}
+        for s in self.sessions:
+            out["clients_by_transport"][s.transport] = out["clients_by_transport"].get(s.transport, 0) + 1
+        out["connections"] = [{"client": s.name, "peer": s.peer, "transport": s.transport}
+                              for s in list(self.sessions)[:256]]
+        out["listen"] = [str(ep) for ep in self.config.endpoints]
+        out["pid"] = self.pid
+        return out
+
+    async def wait_for(self, keys: list[str], timeout: float) -> str | None:
+        for key in keys:
+            if self.master.exists(key):
+                return key
+        fut = asyncio.get_running_loop().create_future()
+        for key in keys:
+            self.waiters.setdefault(key, []).append(fut)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            for key in keys:
+                futs = self.waiters.get(key)
+                if futs and fut in futs:
+                    futs.remove(fut)
+                    if not futs:
+                        del self.waiters[key]
+
+
+def _remove_stale_socket(path: str) -> None:
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _refuse_if_live(path: str) -> None:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # nothing listening: a leftover socket file at most
+    finally:
+        probe.close()
+    raise InvalidArgumentError(f"another daemon is already listening on unix://{path}")
+
+
+def run(config: ServerConfig) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+
+    async def main() -> None:
+        server = Server(config)
+        await server.start()
+        await server.serve_forever()
+
+    if uvloop is not None:
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+    return 0
