@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import xxhash
@@ -19,6 +20,29 @@ from kvstore.units import parse_size
 from kvstore.value import KVObject, Payload, as_payload, writable_view
 
 checksum_of = xxhash.xxh3_64_intdigest
+#: payloads this large are hashed on a worker thread while the caller copies them (both release the GIL)
+PARALLEL_DIGEST_MIN = 1 << 20
+_digest_pool: ThreadPoolExecutor | None = None
+
+
+class Digest:
+    """The xxh3-64 of a payload, recorded at commit. Large payloads hash in parallel with the copy."""
+
+    def __init__(self, view: memoryview):
+        global _digest_pool
+        self._value: int | None = None
+        self._future = None
+        if len(view) >= PARALLEL_DIGEST_MIN:
+            if _digest_pool is None:
+                _digest_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-digest")
+            self._future = _digest_pool.submit(checksum_of, view)
+        else:
+            self._value = checksum_of(view)
+
+    def __call__(self) -> int:
+        if self._future is not None:
+            self._value, self._future = self._future.result(), None
+        return self._value  # type: ignore[return-value]
 
 
 class KVStore(ABC):
@@ -54,9 +78,9 @@ class KVStore(ABC):
         key = validate_key(key)
         payload = as_payload(value)
         object_meta = ObjectMeta(key=key, size=len(payload.view), kind=payload.kind, dtype=payload.dtype,
-                                 shape=payload.shape, checksum=checksum_of(payload.view), producer=self.producer,
-                                 ttl=validate_ttl(ttl), user=validate_user_meta(meta))
-        return self._put(object_meta, payload, if_absent=if_absent, pin=pin)
+                                 shape=payload.shape, producer=self.producer, ttl=validate_ttl(ttl),
+                                 user=validate_user_meta(meta))
+        return self._put(object_meta, payload, Digest(payload.view), if_absent=if_absent, pin=pin)
 
     def batch_put(self, items: Iterable[tuple[str, Any]], ttl: float | None = None) -> list[ObjectMeta]:
         return [self.put(key, value, ttl=ttl) for key, value in items]
@@ -116,7 +140,9 @@ class KVStore(ABC):
 
     # ---- backend primitives -------------------------------------------------------------------------
     @abstractmethod
-    def _put(self, meta: ObjectMeta, payload: Payload, *, if_absent: bool, pin: bool) -> ObjectMeta: ...
+    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, if_absent: bool,
+             pin: bool) -> ObjectMeta:
+        """Store ``payload``; record ``digest()`` as its checksum at commit."""
 
     @abstractmethod
     def _get(self, key: str, *, copy: bool) -> KVObject: ...

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from kvstore.client import KVStore
+from kvstore.client import Digest, KVStore
 from kvstore.errors import StoreConnectionError
 from kvstore.master import Master, Replica
 from kvstore.meta import ObjectMeta
@@ -49,7 +49,8 @@ class EmbeddedStore(KVStore):
         return self._segments[replica.segment].view(replica.offset, replica.size)
 
     # ---- primitives ---------------------------------------------------------------------------------
-    def _put(self, meta: ObjectMeta, payload: Payload, *, if_absent: bool, pin: bool) -> ObjectMeta:
+    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, if_absent: bool,
+             pin: bool) -> ObjectMeta:
         with self._lock:
             master = self._m()
             master.expire()
@@ -62,8 +63,9 @@ class EmbeddedStore(KVStore):
             with self._lock:
                 self._master.abort(replica.id)
             raise
+        checksum = digest()
         with self._lock:
-            return self._m().commit(replica.id).meta
+            return self._m().commit(replica.id, checksum).meta
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
         lease_id, replica = self._acquire(key)

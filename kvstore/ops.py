@@ -123,6 +123,10 @@ def _check_call(layout: KVLayout, kv_caches, block_ids, packed, name: str) -> li
     _check_layout_type(layout)
     if isinstance(kv_caches, torch.Tensor) or not isinstance(kv_caches, Sequence):
         raise TypeError(f"kv_caches must be a list of tensors (one per layer), got {type(kv_caches).__name__}")
+    if not isinstance(block_ids, torch.Tensor):
+        raise TypeError(f"block_ids must be a torch.Tensor of int32/int64, got {type(block_ids).__name__}")
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
     kv_caches = list(kv_caches)
     if len(kv_caches) != layout.num_layers:
         raise ValueError(f"kv_caches: expected {layout.num_layers} layers (layout.num_layers), got {len(kv_caches)}")

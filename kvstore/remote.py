@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import transports
-from kvstore.client import KVStore
+from kvstore.client import Digest, KVStore
 from kvstore.errors import ObjectTooLargeError, StoreConnectionError, TransportError
 from kvstore.index import IndexReader
 from kvstore.meta import ObjectMeta
@@ -73,16 +74,17 @@ class RemoteStore(KVStore):
         return self._conn.call({"op": op, **fields}).get("value")
 
     # ---- primitives ---------------------------------------------------------------------------------
-    def _put(self, meta: ObjectMeta, payload: Payload, *, if_absent: bool, pin: bool) -> ObjectMeta:
+    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, if_absent: bool,
+             pin: bool) -> ObjectMeta:
         if meta.size > self.capacity:
             raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
         request = {"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(),
                    "if_absent": if_absent, "pin": pin}
         try:
-            reply = self._path(meta.size).put(self._conn, request, payload.view)
+            reply = self._path(meta.size).put(self._conn, request, payload.view, digest)
         except TransportFailure as exc:
             raise TransportError(f"put of {meta.key!r} failed on the {self.transport} path: {exc}") from None
-        return ObjectMeta.from_wire(reply["meta"])
+        return replace(meta, checksum=digest(), version=reply["version"], created=reply["created"])
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
         if self._index is not None:

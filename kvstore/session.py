@@ -229,7 +229,7 @@ class Session:
                 master.abort(replica.id)
             raise
         self.server.metrics.bytes_in(meta.size)
-        return self._ok(rid, meta=master.commit(replica.id).meta.to_wire())
+        return self._committed(rid, master.commit(replica.id, f["checksum"]))
 
     async def op_commit(self, rid: int, f: dict) -> dict:
         master = self.server.master
@@ -237,7 +237,10 @@ class Session:
         if replica.client != self.client:
             raise InvalidArgumentError(f"put {f['put_id']} belongs to another client")
         self.server.metrics.bytes_in(replica.size)
-        return self._ok(rid, meta=master.commit(f["put_id"]).meta.to_wire())
+        return self._committed(rid, master.commit(f["put_id"], f["checksum"]))
+
+    def _committed(self, rid: int, replica) -> dict:
+        return self._ok(rid, version=replica.meta.version, created=replica.meta.created)
 
     async def op_abort(self, rid: int, f: dict) -> dict:
         if self.server.master.pending(f["put_id"]).client != self.client:

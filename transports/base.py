@@ -33,8 +33,9 @@ class Transport(Protocol):
 
     name: str
 
-    def put(self, channel: Channel, request: dict, src: memoryview) -> dict:
-        """Store ``src`` under the (already validated) ``request``; return the commit reply."""
+    def put(self, channel: Channel, request: dict, src: memoryview, checksum: Callable[[], int]) -> dict:
+        """Store ``src`` under the (already validated) ``request``; return the commit reply. ``checksum()``
+        is the payload's digest, recorded at commit (it may still be computing while the bytes move)."""
         ...
 
     def get_into(self, channel: Channel, request: dict, dst: Callable[[dict], memoryview]) -> dict:

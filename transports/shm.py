@@ -118,7 +118,7 @@ class ShmTransport:
             raise TransportFailure(f"region [{offset}, +{length}) outside segment {segment} of {seg.size} bytes")
         return seg.buf[offset:offset + length]
 
-    def put(self, channel: Channel, request: dict, src: memoryview) -> dict:
+    def put(self, channel: Channel, request: dict, src: memoryview, checksum: Callable[[], int]) -> dict:
         reply = channel.call({**request, "mode": "region"})
         try:
             dst = self.region(reply["segment"], reply["offset"], len(src))
@@ -127,7 +127,7 @@ class ShmTransport:
         except BaseException:
             channel.call({"op": "abort", "put_id": reply["put_id"]})
             raise
-        return channel.call({"op": "commit", "put_id": reply["put_id"]})
+        return channel.call({"op": "commit", "put_id": reply["put_id"], "checksum": checksum()})
 
     def get_into(self, channel: Channel, request: dict, dst: Callable[[dict], memoryview]) -> dict:
         reply = channel.call({**request, "mode": "region"})

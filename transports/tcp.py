@@ -43,8 +43,8 @@ class StreamTransport:
     def __init__(self, segments: dict | None = None):
         del segments  # the stream path never maps daemon memory
 
-    def put(self, channel: Channel, request: dict, src: memoryview) -> dict:
-        return channel.call({**request, "mode": "stream"}, payload=src)
+    def put(self, channel: Channel, request: dict, src: memoryview, checksum: Callable[[], int]) -> dict:
+        return channel.call({**request, "mode": "stream", "checksum": checksum()}, payload=src)
 
     def get_into(self, channel: Channel, request: dict, dst: Callable[[dict], memoryview]) -> dict:
         return channel.call({**request, "mode": "stream"}, into=dst)

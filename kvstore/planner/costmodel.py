@@ -2,16 +2,19 @@
 
 One formula covers every kind of step, so colocated, chunked and disaggregated workers are costed alike::
 
-    t_step = base_s                                   # weights read once per forward + fixed overhead
-           + expert_s * touched(tokens)               # MoE: routed experts actually read this step
-           + token_s * sum(prefill tokens)            # GEMM FLOPs of prompt tokens
-           + seq_s * decode_seqs                      # GEMM FLOPs of decode tokens (one per sequence)
-           + pair_s * sum(attention pairs of prompts) # causal attention FLOPs, quadratic in the prompt
-           + ctx_s * sum(decode contexts)             # KV bytes read by decode attention
+    compute = token_s * prompt tokens               # GEMM FLOPs of prompt tokens in the step
+            + seq_s * decode sequences              # GEMM FLOPs of decode tokens (one per sequence)
+            + pair_s * attention pairs of prompts   # causal attention FLOPs, quadratic in the prompt
+    memory  = weight_s                              # weights read once per forward pass
+            + expert_s * touched(tokens)            # MoE: the routed experts this step's tokens reach
+            + ctx_s * sum(decode contexts)          # KV bytes read by decode attention
+    t_step  = base_s + compute + memory - overlap * min(compute, memory)
 
-Compute and memory time are *added*, not overlapped (a roofline ``max``): real engines overlap them only
-partly, and the sum keeps the model linear in its coefficients, which is what lets
-:mod:`kvstore.planner.calibrate` fit it by least squares.
+``overlap`` = 1 is the roofline (compute hides under memory traffic or the reverse), 0 is no overlap.
+Between the two is what engines achieve; it is what lets decodes "piggyback" on a prompt chunk
+(Sarathi-Serve): a chunk whose compute fits under the step's weight reads costs the decodes little.
+Given which of compute and memory is smaller, the formula is linear in the coefficients, which is what
+:mod:`kvstore.planner.calibrate` exploits to fit it by least squares.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class CostModel:
 
     name: str
     base_s: float
+    weight_s: float
     token_s: float
     seq_s: float
     pair_s: float
@@ -40,31 +44,42 @@ class CostModel:
     kv_bytes_per_token: int
     weight_bytes: float
     kv_capacity_tokens: int
+    overlap: float = 0.0
     expert_s: float = 0.0
     expert_fraction: float = 0.0  # probability one token routes to a given expert (k / E)
     tp: int = 1
 
+    COMPUTE = ("token_s", "seq_s", "pair_s")
+    MEMORY = ("weight_s", "ctx_s")
+
     def __post_init__(self) -> None:
-        for f in ("base_s", "token_s", "seq_s", "pair_s", "ctx_s", "expert_s", "weight_bytes"):
+        for f in ("base_s", "weight_s", "token_s", "seq_s", "pair_s", "ctx_s", "expert_s", "weight_bytes"):
             value = getattr(self, f)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"CostModel.{f} must be a finite number >= 0, got {value!r}")
         if self.kv_bytes_per_token <= 0:
             raise ValueError(f"CostModel.kv_bytes_per_token must be > 0, got {self.kv_bytes_per_token!r}")
-        if not 0 <= self.expert_fraction <= 1:
-            raise ValueError(f"CostModel.expert_fraction must be in [0, 1], got {self.expert_fraction!r}")
+        for f in ("overlap", "expert_fraction"):
+            if not 0 <= getattr(self, f) <= 1:
+                raise ValueError(f"CostModel.{f} must be in [0, 1], got {getattr(self, f)!r}")
+
+    def parts(self, decode_seqs: int = 0, decode_ctx: float = 0, prefill_tokens: int = 0,
+              prefill_pair_count: float = 0) -> tuple[float, float]:
+        """(compute seconds, memory seconds) of a step; see the module docstring."""
+        compute = self.token_s * prefill_tokens + self.seq_s * decode_seqs + self.pair_s * prefill_pair_count
+        memory = self.weight_s + self.ctx_s * decode_ctx
+        tokens = decode_seqs + prefill_tokens
+        if self.expert_s and tokens:
+            memory += self.expert_s * (1.0 - (1.0 - self.expert_fraction) ** tokens)
+        return compute, memory
 
     def step_s(self, decode_seqs: int = 0, decode_ctx: float = 0, prefill_tokens: int = 0,
                prefill_pair_count: float = 0) -> float:
         """Duration of one forward pass over ``decode_seqs`` decoding sequences whose contexts sum to
         ``decode_ctx`` tokens, plus prompt chunks totalling ``prefill_tokens`` tokens and
         ``prefill_pair_count`` attention pairs (see :func:`prefill_pairs`)."""
-        tokens = decode_seqs + prefill_tokens
-        t = (self.base_s + self.token_s * prefill_tokens + self.seq_s * decode_seqs
-             + self.pair_s * prefill_pair_count + self.ctx_s * decode_ctx)
-        if self.expert_s and tokens:
-            t += self.expert_s * (1.0 - (1.0 - self.expert_fraction) ** tokens)
-        return t
+        compute, memory = self.parts(decode_seqs, decode_ctx, prefill_tokens, prefill_pair_count)
+        return self.base_s + compute + memory - self.overlap * min(compute, memory)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """One prompt prefilled alone in one step."""
@@ -74,12 +89,13 @@ class CostModel:
         """One decode step of ``batch`` sequences whose contexts sum to ``total_ctx`` tokens."""
         return self.step_s(decode_seqs=batch, decode_ctx=total_ctx)
 
-    @staticmethod
-    def features(decode_seqs: float, decode_ctx: float, prefill_tokens: float, pair_count: float) -> list[float]:
-        """The regressors of a step, in the order of :attr:`COEFFICIENTS` (for least-squares fitting)."""
-        return [1.0, prefill_tokens, decode_seqs, pair_count, decode_ctx]
-
-    COEFFICIENTS = ("base_s", "token_s", "seq_s", "pair_s", "ctx_s")
+    def decode_linear(self, batch: int) -> tuple[float, float]:
+        """(a, c) with decode_s(batch, ctx) = a + c * ctx, valid while the step's regime does not change
+        (the simulator re-plans at every event, so the error is second order). Used for spans of steps."""
+        compute, memory = self.parts(decode_seqs=batch)
+        if self.overlap and compute > memory:  # compute-bound: ctx bytes hide under compute first
+            return self.base_s + compute + (1 - self.overlap) * memory, (1 - self.overlap) * self.ctx_s
+        return self.base_s + memory + (1 - self.overlap) * compute, self.ctx_s
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,7 +160,8 @@ def from_specs(model: ModelSpec, gpu: GPUSpec, tp: int = 1, eff: Efficiency | No
     per_token_flops = 2.0 * model.active_params
     return CostModel(
         name=f"{model.name}@{gpu.name}x{tp}",
-        base_s=eff.step_overhead_s + model.dense_weight_bytes / bandwidth,
+        base_s=eff.step_overhead_s,
+        weight_s=model.dense_weight_bytes / bandwidth,
         token_s=per_token_flops / flops,
         seq_s=per_token_flops / flops,
         pair_s=model.attn_flops_per_pair / flops,
@@ -154,6 +171,7 @@ def from_specs(model: ModelSpec, gpu: GPUSpec, tp: int = 1, eff: Efficiency | No
         kv_capacity_tokens=capacity,
         expert_s=model.expert_weight_bytes / bandwidth,
         expert_fraction=(model.experts_per_token / model.experts) if model.experts else 0.0,
+        overlap=eff.overlap,
         tp=tp,
     )
 

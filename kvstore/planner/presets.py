@@ -105,7 +105,7 @@ LINKS: dict[str, LinkSpec] = {
 CALIBRATED: dict[tuple[str, str], CostModel] = {
     ("pd-tiny", "cpu-2core"): CostModel(
         name="pd-tiny@cpu-2core (uncalibrated placeholder)",
-        base_s=4e-3, token_s=2.5e-4, seq_s=6e-4, pair_s=4e-8, ctx_s=2e-7,
+        base_s=1e-3, weight_s=3e-3, token_s=2.5e-4, seq_s=6e-4, pair_s=4e-8, ctx_s=2e-7,
         kv_bytes_per_token=MODELS["pd-tiny"].kv_bytes_per_token,
         weight_bytes=MODELS["pd-tiny"].weight_bytes,
         kv_capacity_tokens=int(0.9 * GPUS["cpu-2core"].memory_bytes - MODELS["pd-tiny"].weight_bytes)

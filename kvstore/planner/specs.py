@@ -146,6 +146,8 @@ class Efficiency:
     - ``step_overhead_s``: scheduler, sampling and launch cost per engine step.
     - ``tp_efficiency``: throughput kept per GPU when a worker spans several GPUs (all-reduce cost).
     - ``memory_fraction``: share of GPU memory the engine may use for weights plus KV cache.
+    - ``overlap``: how much of the smaller of a step's compute and memory time hides under the larger
+      (1: roofline, 0: none); see :mod:`kvstore.planner.costmodel`.
     """
 
     mfu: float = 0.5
@@ -153,8 +155,11 @@ class Efficiency:
     step_overhead_s: float = 0.5e-3
     tp_efficiency: float = 0.85
     memory_fraction: float = 0.9
+    overlap: float = 0.8
 
     def __post_init__(self) -> None:
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"Efficiency.overlap must be in [0, 1], got {self.overlap!r}")
         for name in ("mfu", "mbu", "tp_efficiency", "memory_fraction"):
             value = getattr(self, name)
             if not 0 < value <= 1:

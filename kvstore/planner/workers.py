@@ -121,12 +121,15 @@ class Worker:
         self.stall_token_s = 0.0
         self.busy_s = 0.0
         self.nic_free_s = 0.0
+        self.last_emit_s = 0.0  # time of this worker's last decode step boundary
+        self._fresh: list[SimRequest] = []  # joined since then: their last token is their first
+        self.incoming = 0  # decode role: requests whose KV is on its way here
         self.cache = PrefixCache(cache_blocks) if cache_blocks > 0 else None
 
     # -- load and memory ----------------------------------------------------------------------------
     @property
     def load(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.pending)
+        return len(self.waiting) + len(self.running) + len(self.pending) + self.incoming
 
     def fits(self, tokens: int) -> bool:
         return self.reserved + tokens <= self.capacity
@@ -179,16 +182,15 @@ class Worker:
             req.finish_step = self.steps + req.output - 1
             self.running[req.spec.id] = req
             self.ctx += req.prompt + 1
+            self._fresh.append(req)
             heapq.heappush(self._finishes, (req.finish_step, req.spec.id, req))
         self.pending.clear()
 
     def _start_decode_span(self, now: float) -> None:
-        cost = self.sim.cost
         batch = len(self.running)
-        a = cost.decode_s(batch, 0)
+        a, c = self.sim.cost.decode_linear(batch)
         k = self._finishes[0][0] - self.steps
-        self._start(now, decode_span_s(a, cost.ctx_s, self.ctx, batch, k),
-                    ("decode", now, k, a, cost.ctx_s, batch, self.ctx))
+        self._start(now, decode_span_s(a, c, self.ctx, batch, k), ("decode", now, k, a, c, batch, self.ctx))
 
     def _end_decode(self, now: float, t0: float, k: int, a: float, c: float, batch: int, ctx0: float) -> None:
         self.busy_s += now - t0
@@ -196,7 +198,23 @@ class Worker:
             times = [t0 + decode_span_s(a, c, ctx0, batch, i) for i in range(1, k + 1)]
             for req in self.running.values():
                 req.tokens.extend(times)
+        first = t0 + a + c * ctx0
+        self._count_gaps(first)
+        # the k - 1 later steps lengthen linearly; count them at up to 8 representative durations
+        pieces = min(k - 1, 8)
+        for p in range(pieces):
+            mid = 1 + (k - 1) * (p + 0.5) / pieces
+            self.sim.gaps.add(a + c * (ctx0 + mid * batch), batch * (k - 1) / pieces)
+        self.last_emit_s = now
         self._advance(now, k)
+
+    def _count_gaps(self, boundary: float) -> None:
+        """Record the gap each running request sees at a decode boundary (stalls by prefills included)."""
+        gaps = self.sim.gaps
+        gaps.add(boundary - self.last_emit_s, len(self.running) - len(self._fresh))
+        for req in self._fresh:
+            gaps.add(boundary - req.t_first)
+        self._fresh.clear()
 
     def _advance(self, now: float, k: int) -> None:
         """``k`` decode steps finished at ``now``: grow contexts, retire finished requests."""
@@ -264,6 +282,7 @@ class Worker:
 
     def _first_token(self, req: SimRequest, now: float) -> None:
         req.t_first = now
+        self.sim.kv_delta(1)  # the first token's KV slot
         if req.tokens is not None:
             req.tokens.append(now)
         if req.output == 1:
@@ -344,6 +363,8 @@ class ChunkedWorker(Worker):
             for req in self.running.values():
                 req.tokens.append(now)
         if self.running:
+            self._count_gaps(now)
+            self.last_emit_s = now
             self._advance(now, 1)
         for req, n in chunks:
             self.sim.kv_delta(n + (req.cached if req.prefilled == req.cached else 0))

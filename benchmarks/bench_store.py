@@ -1,0 +1,144 @@
+"""Store benchmark: put / get_into / get through the embedded store, the daemon over shared memory and the
+daemon over TCP, with this machine's baselines measured in the same run.
+
+    python -m benchmarks.bench_store [--sizes 4KiB,64KiB,1MiB,16MiB,64MiB] [--json PATH]
+
+Ratios: shm and embedded paths against single-thread memcpy into a pre-faulted buffer; the tcp path
+against a raw loopback socket between two processes (put: sendall + 1-byte ack; get: recv_into).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import kvstore
+from benchmarks.baseline import RawSocket, Timing, measure, memcpy, prefaulted
+from kvstore.units import format_size, parse_size
+
+DEFAULT_SIZES = "4KiB,64KiB,1MiB,16MiB,64MiB"
+
+
+@contextlib.contextmanager
+def daemon(capacity: str):
+    tmp = tempfile.mkdtemp(prefix="kvbench-")
+    sock = os.path.join(tmp, "kv.sock")
+    with socket_port() as port:
+        pass
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix://{sock}",
+                             "--listen", f"tcp://127.0.0.1:{port}", "--capacity", capacity, "--log-level", "warning"])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                kvstore.connect(f"unix://{sock}", timeout=2).close()
+                break
+            except kvstore.StoreConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("daemon did not start")
+                time.sleep(0.05)
+        yield f"unix://{sock}", f"tcp://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def socket_port():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    yield port
+
+
+def bench_path(store: kvstore.KVStore, size: int) -> dict[str, Timing]:
+    value = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+    out = prefaulted(size)
+    key = f"bench/{size}"
+    store.put(key, value)
+    results = {"put": measure(lambda: store.put(key, value), size),
+               "get_into": measure(lambda: store.get_into(key, out), size),
+               "get": measure(lambda: store.get(key), size, n=None if size < (16 << 20) else 20)}
+    if not np.array_equal(out, value):
+        raise RuntimeError(f"get_into returned wrong bytes at size {size}")
+    store.remove(key)
+    return results
+
+
+def run(sizes: list[int]) -> dict:
+    biggest = max(sizes)
+    capacity = f"{max(256 << 20, 4 * biggest) >> 20}MiB"
+    rows: list[dict] = []
+    base = {s: memcpy(s) for s in sizes}
+    raw = RawSocket(biggest)
+    raw_put = {s: measure(lambda s=s: raw.send(s), s) for s in sizes}
+    raw_get = {s: measure(lambda s=s: raw.recv(s), s) for s in sizes}
+    raw.close()
+    with daemon(capacity) as (unix_url, tcp_url):
+        paths = [("embedded", lambda: kvstore.KVStore.embedded(capacity=capacity)),
+                 ("daemon+shm", lambda: kvstore.connect(unix_url, transport="shm")),
+                 ("daemon+tcp", lambda: kvstore.connect(tcp_url, transport="tcp"))]
+        for name, factory in paths:
+            with factory() as store:
+                for size in sizes:
+                    for op, t in bench_path(store, size).items():
+                        if name == "daemon+tcp" and op != "get":
+                            ref, ref_name = (raw_put if op == "put" else raw_get)[size], "raw socket"
+                        else:
+                            ref, ref_name = base[size], "memcpy"
+                        rows.append({"path": name, "op": op, **t.as_dict(), "baseline": ref_name,
+                                     "baseline_gbps": ref.gbps, "ratio": t.gbps / ref.gbps})
+    return {"machine": machine(), "rows": rows,
+            "baselines": {"memcpy": {s: base[s].as_dict() for s in sizes},
+                          "raw_socket_put": {s: raw_put[s].as_dict() for s in sizes},
+                          "raw_socket_get": {s: raw_get[s].as_dict() for s in sizes}}}
+
+
+def machine() -> str:
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{platform.node()}: {os.cpu_count()} cores, {cpu}, Python {platform.python_version()}"
+
+
+def print_table(result: dict) -> None:
+    print(f"# kvstore store benchmark — {result['machine']}")
+    print(f"{'path':<11} {'op':<8} {'size':>9} {'p50 us':>10} {'p99 us':>10} {'GB/s':>7} "
+          f"{'baseline':>10} {'base GB/s':>9} {'ratio':>6}")
+    for r in result["rows"]:
+        print(f"{r['path']:<11} {r['op']:<8} {format_size(r['size']):>9} {r['p50_us']:>10.1f} {r['p99_us']:>10.1f} "
+              f"{r['gbps']:>7.2f} {r['baseline']:>10} {r['baseline_gbps']:>9.2f} {r['ratio']:>6.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sizes (default %(default)s)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    result = run(sizes)
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
