@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import xxhash
@@ -45,6 +46,13 @@ class Digest:
         return self._value  # type: ignore[return-value]
 
 
+@dataclass(frozen=True, slots=True)
+class PutFlags:
+    if_absent: bool = False
+    pin: bool = False
+    ephemeral: bool = False
+
+
 class KVStore(ABC):
     """Store KV-cache objects by key.
 
@@ -69,21 +77,32 @@ class KVStore(ABC):
 
     # ---- writes -------------------------------------------------------------------------------------
     def put(self, key: str, value: Any, meta: dict | None = None, ttl: float | None = None, *,
-            if_absent: bool = False, pin: bool = False) -> ObjectMeta:
+            if_absent: bool = False, pin: bool = False, ephemeral: bool = False) -> ObjectMeta:
         """Store ``value`` (bytes-like, numpy array or torch CPU tensor) under ``key``.
 
         The new version becomes visible atomically when all its bytes are written; a reader of the old
         version finishes on the old bytes. ``if_absent`` raises KeyExistsError instead of replacing;
-        ``pin`` keeps the object from eviction; ``ttl`` seconds after commit it expires."""
-        key = validate_key(key)
-        payload = as_payload(value)
-        object_meta = ObjectMeta(key=key, size=len(payload.view), kind=payload.kind, dtype=payload.dtype,
-                                 shape=payload.shape, producer=self.producer, ttl=validate_ttl(ttl),
-                                 user=validate_user_meta(meta))
-        return self._put(object_meta, payload, Digest(payload.view), if_absent=if_absent, pin=pin)
+        ``pin`` keeps the object from eviction; ``ttl`` seconds after commit it expires; an ``ephemeral``
+        object is removed when this client disconnects (or dies)."""
+        object_meta, payload = self._prepare(key, value, meta, ttl)
+        return self._put(object_meta, payload, Digest(payload.view),
+                         flags=PutFlags(if_absent=if_absent, pin=pin, ephemeral=ephemeral))
 
-    def batch_put(self, items: Iterable[tuple[str, Any]], ttl: float | None = None) -> list[ObjectMeta]:
-        return [self.put(key, value, ttl=ttl) for key, value in items]
+    def _prepare(self, key: str, value: Any, meta: dict | None, ttl: float | None) -> tuple[ObjectMeta, Payload]:
+        payload = as_payload(value)
+        return ObjectMeta(key=validate_key(key), size=len(payload.view), kind=payload.kind, dtype=payload.dtype,
+                          shape=payload.shape, producer=self.producer, ttl=validate_ttl(ttl),
+                          user=validate_user_meta(meta)), payload
+
+    def batch_put(self, items: Iterable[tuple[str, Any]], ttl: float | None = None, *,
+                  ephemeral: bool = False) -> list[ObjectMeta]:
+        """Store several objects, all or nothing: they become visible together (in order) when every byte
+        of every one is written; if one fails, none is visible and all their space is freed."""
+        prepared = [self._prepare(key, value, None, ttl) for key, value in items]
+        if not prepared:
+            return []
+        digests = [Digest(payload.view) for _, payload in prepared]
+        return self._put_many(prepared, digests, flags=PutFlags(ephemeral=ephemeral))
 
     # ---- reads --------------------------------------------------------------------------------------
     def get(self, key: str, *, copy: bool = True, verify: bool = False) -> KVObject:
@@ -140,9 +159,13 @@ class KVStore(ABC):
 
     # ---- backend primitives -------------------------------------------------------------------------
     @abstractmethod
-    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, if_absent: bool,
-             pin: bool) -> ObjectMeta:
+    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: "PutFlags") -> ObjectMeta:
         """Store ``payload``; record ``digest()`` as its checksum at commit."""
+
+    @abstractmethod
+    def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
+                  flags: "PutFlags") -> list[ObjectMeta]:
+        """Write every payload as a pending put, then commit them all at once (abort all on failure)."""
 
     @abstractmethod
     def _get(self, key: str, *, copy: bool) -> KVObject: ...

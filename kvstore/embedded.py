@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from kvstore.client import Digest, KVStore
+from kvstore.client import Digest, KVStore, PutFlags
 from kvstore.errors import StoreConnectionError
 from kvstore.master import Master, Replica
 from kvstore.meta import ObjectMeta
@@ -49,23 +49,30 @@ class EmbeddedStore(KVStore):
         return self._segments[replica.segment].view(replica.offset, replica.size)
 
     # ---- primitives ---------------------------------------------------------------------------------
-    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, if_absent: bool,
-             pin: bool) -> ObjectMeta:
-        with self._lock:
-            master = self._m()
-            master.expire()
-            replica = master.begin_put(meta, self._client, if_absent=if_absent, pin=pin)
+    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: PutFlags) -> ObjectMeta:
+        return self._put_many([(meta, payload)], [digest], flags=flags)[0]
+
+    def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
+                  flags: PutFlags) -> list[ObjectMeta]:
+        replicas: list[Replica] = []
         try:
-            dst = self._region(replica)
-            dst[:] = payload.view
-            dst.release()
+            for meta, payload in items:
+                with self._lock:
+                    master = self._m()
+                    master.expire()
+                    replicas.append(master.begin_put(meta, self._client, if_absent=flags.if_absent, pin=flags.pin,
+                                                     ephemeral=flags.ephemeral))
+                dst = self._region(replicas[-1])
+                dst[:] = payload.view
+                dst.release()
+            checksums = [digest() for digest in digests]
         except BaseException:
             with self._lock:
-                self._master.abort(replica.id)
+                for replica in replicas:
+                    self._master.abort(replica.id)
             raise
-        checksum = digest()
         with self._lock:
-            return self._m().commit(replica.id, checksum).meta
+            return [r.meta for r in self._m().commit_many([r.id for r in replicas], checksums)]
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
         lease_id, replica = self._acquire(key)

@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Callable, Iterator, Protocol
 
 from kvstore.allocator import Allocator
-from kvstore.errors import (KeyExistsError, KeyNotFoundError, LeaseError, ObjectBusyError, ObjectTooLargeError,
+from kvstore.errors import (InvalidArgumentError, KeyExistsError, KeyNotFoundError, LeaseError, ObjectBusyError, ObjectTooLargeError,
                             StoreFullError)
 from kvstore.meta import ObjectMeta
 
@@ -38,6 +38,7 @@ class Replica:
     state: ReplicaState = ReplicaState.PENDING
     pinned: bool = False
     if_absent: bool = False
+    ephemeral: bool = False  # removed when the client that put it goes away
     expires_at: float | None = None
     leases: int = 0
     live: bool = False  # the key's visible version
@@ -122,6 +123,7 @@ class _Client:
     last_seen: float
     puts: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
+    ephemeral: dict[str, int] = field(default_factory=dict)  # key -> replica id
 
 
 class Master:
@@ -156,7 +158,8 @@ class Master:
             self._clients[client].last_seen = self.clock()
 
     def drop_client(self, client: int) -> tuple[int, int]:
-        """Revoke the client's pending puts and release its leases; returns (puts aborted, leases released)."""
+        """Revoke the client's pending puts, release its leases and remove its ephemeral objects;
+        returns (puts aborted, leases released)."""
         state = self._clients.pop(client, None)
         if state is None:
             return 0, 0
@@ -164,6 +167,10 @@ class Master:
             self.abort(put_id)
         for lease_id in list(state.leases):
             self.release(lease_id)
+        for key, rid in state.ephemeral.items():
+            replica = self._live.get(key)
+            if replica is not None and replica.id == rid:
+                self._unlink(replica)
         return len(state.puts), len(state.leases)
 
     def silent_clients(self, timeout: float) -> list[int]:
@@ -171,8 +178,10 @@ class Master:
         return [c.id for c in self._clients.values() if now - c.last_seen > timeout]
 
     # ---- puts ---------------------------------------------------------------------------------------
-    def begin_put(self, meta: ObjectMeta, client: int, *, if_absent: bool = False, pin: bool = False) -> Replica:
-        """Reserve space for ``meta.size`` bytes; the result is PENDING and invisible until ``commit``."""
+    def begin_put(self, meta: ObjectMeta, client: int, *, if_absent: bool = False, pin: bool = False,
+                  ephemeral: bool = False) -> Replica:
+        """Reserve space for ``meta.size`` bytes; the result is PENDING and invisible until ``commit``.
+        ``ephemeral`` objects are removed when ``client`` goes away (e.g. a producer's liveness claim)."""
         if if_absent and self._lookup_live(meta.key) is not None:
             raise KeyExistsError(f"key {meta.key!r} already exists")
         reserved = self.allocators[0].aligned(meta.size)
@@ -182,10 +191,26 @@ class Master:
             self._evict_until(int(self.low * self.capacity) - reserved)
         segment, offset = self._allocate(meta.size)
         replica = Replica(next(self._ids), meta, segment, offset, self.allocators[segment].size_of(offset),
-                          client, pinned=pin, if_absent=if_absent)
+                          client, pinned=pin, if_absent=if_absent, ephemeral=ephemeral)
         self._pending[replica.id] = replica
         self._client(client).puts.add(replica.id)
         return replica
+
+    def commit_many(self, put_ids: list[int], checksums: list[int | None]) -> list[Replica]:
+        """Commit several pending puts at once, all or nothing: if one cannot commit (unknown put, or an
+        ``if_absent`` key that exists), none is committed and all of them are aborted."""
+        if len(put_ids) != len(checksums) or len(set(put_ids)) != len(put_ids):
+            raise InvalidArgumentError(f"commit of {len(put_ids)} puts with {len(checksums)} checksums "
+                                       "(or a put named twice)")
+        replicas = [self.pending(pid) for pid in put_ids]
+        keys = [r.key for r in replicas]
+        conflict = next((r for r in replicas if r.if_absent and (self._lookup_live(r.key) is not None
+                                                                 or keys.count(r.key) > 1)), None)
+        if conflict is not None:
+            for pid in put_ids:
+                self.abort(pid)
+            raise KeyExistsError(f"key {conflict.key!r} already exists; no put of the batch was committed")
+        return [self.commit(pid, c) for pid, c in zip(put_ids, checksums)]
 
     def commit(self, put_id: int, checksum: int | None = None) -> Replica:
         """Make a pending put the key's visible version, atomically replacing the previous one."""
@@ -203,6 +228,8 @@ class Master:
             self._unlink(old)
         replica.live = True
         self._live[replica.key] = replica
+        if replica.ephemeral and replica.client in self._clients:
+            self._clients[replica.client].ephemeral[replica.key] = replica.id
         if not replica.pinned:
             self.policy.add(replica.key)
         self.listener.published(replica)

@@ -169,3 +169,55 @@ def _shape(value: object) -> tuple[int, ...] | None:
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
         raise InvalidArgumentError(f"field 'shape' must be a list of non-negative ints, got {value!r}")
     return tuple(value)
+
+
+REQUEST_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMeta:
+    """What a prefill worker publishes with a request's KV: enough for the decode side to check, before it
+    writes a byte into its cache, that the bytes are the ones it expects."""
+
+    request_id: str
+    layout: dict  # KVLayout.to_dict()
+    fingerprint: str
+    num_tokens: int
+    num_blocks: int
+    chunk_keys: tuple[str, ...]
+    chunk_blocks: tuple[int, ...]
+    checksums: tuple[int, ...]
+    producer: str
+    created: float
+    ttl: float
+    token_hash: str = ""
+    nbytes: int = 0
+    schema: int = REQUEST_SCHEMA_VERSION
+
+    def to_wire(self) -> dict:
+        return {"request_id": self.request_id, "layout": self.layout, "fingerprint": self.fingerprint,
+                "num_tokens": self.num_tokens, "num_blocks": self.num_blocks, "chunk_keys": list(self.chunk_keys),
+                "chunk_blocks": list(self.chunk_blocks), "checksums": list(self.checksums),
+                "producer": self.producer, "created": self.created, "ttl": self.ttl,
+                "token_hash": self.token_hash, "nbytes": self.nbytes, "schema": self.schema}
+
+    @classmethod
+    def from_wire(cls, d: object) -> "RequestMeta":
+        if not isinstance(d, dict):
+            raise InvalidArgumentError(f"request meta must be a map, got {type(d).__name__}")
+        if d.get("schema") != REQUEST_SCHEMA_VERSION:
+            raise InvalidArgumentError(f"request meta schema {d.get('schema')!r} is not supported "
+                                       f"(this side reads {REQUEST_SCHEMA_VERSION})")
+        try:
+            meta = cls(request_id=str(d["request_id"]), layout=dict(d["layout"]), fingerprint=str(d["fingerprint"]),
+                       num_tokens=int(d["num_tokens"]), num_blocks=int(d["num_blocks"]),
+                       chunk_keys=tuple(map(str, d["chunk_keys"])), chunk_blocks=tuple(map(int, d["chunk_blocks"])),
+                       checksums=tuple(map(int, d["checksums"])), producer=str(d["producer"]),
+                       created=float(d["created"]), ttl=float(d["ttl"]), token_hash=str(d.get("token_hash", "")),
+                       nbytes=int(d.get("nbytes", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"bad request meta: {type(exc).__name__}: {exc}") from None
+        if not (len(meta.chunk_keys) == len(meta.chunk_blocks) == len(meta.checksums)) \
+                or sum(meta.chunk_blocks) != meta.num_blocks:
+            raise InvalidArgumentError("request meta chunk lists disagree with each other or with num_blocks")
+        return meta

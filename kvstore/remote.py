@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import transports
-from kvstore.client import Digest, KVStore
+from kvstore.client import Digest, KVStore, PutFlags
 from kvstore.errors import ObjectTooLargeError, StoreConnectionError, TransportError
 from kvstore.index import IndexReader
 from kvstore.meta import ObjectMeta
@@ -74,17 +74,38 @@ class RemoteStore(KVStore):
         return self._conn.call({"op": op, **fields}).get("value")
 
     # ---- primitives ---------------------------------------------------------------------------------
-    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, if_absent: bool,
-             pin: bool) -> ObjectMeta:
+    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: PutFlags) -> ObjectMeta:
+        reply = self._send_put(meta, payload, digest, flags, defer=False)
+        return replace(meta, checksum=digest(), version=reply["version"], created=reply["created"])
+
+    def _send_put(self, meta: ObjectMeta, payload: Payload, digest: Digest, flags: PutFlags, defer: bool) -> dict:
         if meta.size > self.capacity:
             raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
         request = {"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(),
-                   "if_absent": if_absent, "pin": pin}
+                   "if_absent": flags.if_absent, "pin": flags.pin, "ephemeral": flags.ephemeral, "defer": defer}
         try:
-            reply = self._path(meta.size).put(self._conn, request, payload.view, digest)
+            return self._path(meta.size).put(self._conn, request, payload.view, digest)
         except TransportFailure as exc:
             raise TransportError(f"put of {meta.key!r} failed on the {self.transport} path: {exc}") from None
-        return replace(meta, checksum=digest(), version=reply["version"], created=reply["created"])
+
+    def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
+                  flags: PutFlags) -> list[ObjectMeta]:
+        pending: list[dict] = []
+        try:
+            for (meta, payload), digest in zip(items, digests):
+                pending.append(self._send_put(meta, payload, digest, flags, defer=True))
+            reply = self._conn.call({"op": "commit_many", "put_ids": [p["put_id"] for p in pending],
+                                     "checksums": [p.get("checksum") for p in pending]})
+        except BaseException:
+            if not self._conn.closed:
+                for p in pending[:len(pending)]:
+                    try:
+                        self._conn.call({"op": "abort", "put_id": p["put_id"]})
+                    except Exception:
+                        pass  # already aborted by a failed commit_many, or the connection is gone
+            raise
+        return [replace(meta, checksum=digest(), version=v, created=c)
+                for (meta, _), digest, v, c in zip(items, digests, reply["versions"], reply["created"])]
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
         if self._index is not None:

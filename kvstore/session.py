@@ -9,6 +9,7 @@ skipped) closes the connection. Every other client is unaffected either way.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 import hmac
 import logging
 import socket
@@ -214,8 +215,11 @@ class Session:
         if meta.key != f["key"] or meta.size != f["size"]:
             raise InvalidArgumentError(f"put of {f['key']!r}: meta names key {meta.key!r} size {meta.size}, "
                                        f"request says size {f['size']}")
+        if f["checksum"] is not None:
+            meta = replace(meta, checksum=f["checksum"])
         master = self.server.master
-        replica = master.begin_put(meta, self.client, if_absent=f["if_absent"], pin=f["pin"])
+        replica = master.begin_put(meta, self.client, if_absent=f["if_absent"], pin=f["pin"],
+                                   ephemeral=f["ephemeral"])
         if f["mode"] == "region":
             self._require_shm()
             return self._ok(rid, put_id=replica.id, segment=replica.segment, offset=replica.offset)
@@ -229,7 +233,9 @@ class Session:
                 master.abort(replica.id)
             raise
         self.server.metrics.bytes_in(meta.size)
-        return self._committed(rid, master.commit(replica.id, f["checksum"]))
+        if f["defer"]:
+            return self._ok(rid, put_id=replica.id)
+        return self._committed(rid, master.commit(replica.id))
 
     async def op_commit(self, rid: int, f: dict) -> dict:
         master = self.server.master
@@ -238,6 +244,14 @@ class Session:
             raise InvalidArgumentError(f"put {f['put_id']} belongs to another client")
         self.server.metrics.bytes_in(replica.size)
         return self._committed(rid, master.commit(f["put_id"], f["checksum"]))
+
+    async def op_commit_many(self, rid: int, f: dict) -> dict:
+        master = self.server.master
+        for pid in f["put_ids"]:
+            if master.pending(pid).client != self.client:
+                raise InvalidArgumentError(f"put {pid} belongs to another client")
+        replicas = master.commit_many(f["put_ids"], f["checksums"])
+        return self._ok(rid, versions=[r.meta.version for r in replicas], created=[r.meta.created for r in replicas])
 
     def _committed(self, rid: int, replica) -> dict:
         return self._ok(rid, version=replica.meta.version, created=replica.meta.created)

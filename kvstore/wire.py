@@ -106,6 +106,18 @@ def _opt_int(value: Any, name: str) -> int | None:
     return None if value is None else _int(value, name)
 
 
+def _ints(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or len(value) > 4096:
+        raise InvalidArgumentError(f"field {name!r} must be a list of at most 4096 ints")
+    return [_int(v, name) for v in value]
+
+
+def _opt_ints(value: Any, name: str) -> list[int | None]:
+    if not isinstance(value, list) or len(value) > 4096:
+        raise InvalidArgumentError(f"field {name!r} must be a list of at most 4096 ints or nulls")
+    return [_opt_int(v, name) for v in value]
+
+
 Field = tuple[Callable[[Any, str], Any], bool, Any]  # validator, required, default
 
 _KEY: dict[str, Field] = {"key": (_key, True, None)}
@@ -115,8 +127,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "ping": {},
     "put": {"key": (_key, True, None), "size": (_int, True, None), "meta": (_map, True, None),
             "if_absent": (_bool, False, False), "pin": (_bool, False, False), "mode": (_mode, True, None),
-            "checksum": (_opt_int, False, None)},
+            "checksum": (_opt_int, False, None), "ephemeral": (_bool, False, False), "defer": (_bool, False, False)},
     "commit": {"put_id": (_int, True, None), "checksum": (_opt_int, False, None)},
+    "commit_many": {"put_ids": (_ints, True, None), "checksums": (_opt_ints, True, None)},
     "abort": {"put_id": (_int, True, None)},
     "get": {"key": (_key, True, None), "mode": (_mode, True, None)},
     "release": {"lease": (_int, True, None)},

@@ -35,7 +35,9 @@ class Transport(Protocol):
 
     def put(self, channel: Channel, request: dict, src: memoryview, checksum: Callable[[], int]) -> dict:
         """Store ``src`` under the (already validated) ``request``; return the commit reply. ``checksum()``
-        is the payload's digest, recorded at commit (it may still be computing while the bytes move)."""
+        is the payload's digest, recorded at commit (it may still be computing while the bytes move).
+        With ``request["defer"]`` the put is left pending: return ``{"put_id", "checksum"}`` and the caller
+        commits it with others (``commit_many``)."""
         ...
 
     def get_into(self, channel: Channel, request: dict, dst: Callable[[dict], memoryview]) -> dict:

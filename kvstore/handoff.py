@@ -1,0 +1,342 @@
+"""KVHandoff: hand a request's KV cache from a prefill worker to a decode worker through a KVStore.
+
+Store objects of one request (``rid`` = request id):
+
+- ``kvp/<fp16>/<hash>``  one chunk of ``chunk_blocks`` packed blocks (block-major, all layers; see
+  docs/kv_layout.md). With token ids the key is a chained blake2b over the chunk's token ids, the previous
+  chunk's key and the layout fingerprint: a shared prompt prefix has the same keys (prefix reuse).
+- ``hf/<rid>/meta``      the :class:`~kvstore.meta.RequestMeta` (msgpack): written in the same all-or-nothing
+  batch as the chunks, so it is visible only once every chunk is.
+- ``hf/<rid>/claim``     an ephemeral object the producer holds while publishing; if it vanishes before the
+  meta appears, the producer died.
+- ``hf/<rid>/cancel``    a tombstone a cancel leaves behind for waiting consumers.
+- ``hf/<rid>/status``    a small record for ``kvstore requests``: published / fetched / cancelled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import socket
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+import torch
+import xxhash
+
+from kvstore import ops
+from kvstore.client import KVStore
+from kvstore.errors import (HandoffAbortedError, HandoffTimeoutError, InvalidArgumentError, KeyNotFoundError,
+                            LayoutMismatchError, ObjectBusyError)
+from kvstore.layout import KVLayout
+from kvstore.meta import RequestMeta
+
+STATUS_GRACE_S = 600.0  # status records outlive their request by this long, so "expired" can be shown
+_POLL_SLICE_S = 0.25  # how often a waiting consumer also checks that the producer is still alive
+
+
+def request_keys(request_id: str) -> dict[str, str]:
+    return {name: f"hf/{request_id}/{name}" for name in ("meta", "claim", "cancel", "status")}
+
+
+def chunk_keys(layout: KVLayout, token_ids: Sequence[int], chunk_tokens: int) -> list[str]:
+    """Chained prefix keys of every chunk of ``token_ids`` (the last one may be partial)."""
+    fp = layout.fingerprint()
+    prev = bytes.fromhex(fp)
+    keys = []
+    ids = torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().astype("<i8")
+    for start in range(0, len(ids), chunk_tokens):
+        digest = hashlib.blake2b(prev + ids[start:start + chunk_tokens].tobytes(), digest_size=16,
+                                 person=b"kvstore.prefix").digest()
+        keys.append(f"kvp/{fp[:16]}/{digest.hex()}")
+        prev = digest
+    return keys
+
+
+@dataclass
+class Ticket:
+    """Returned by ``publish``; ``wait()`` blocks until everything is committed and returns the RequestMeta."""
+
+    request_id: str
+    _future: Future
+
+    def wait(self, timeout: float | None = None) -> RequestMeta:
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    meta: RequestMeta
+    nbytes: int
+    transfer_s: float
+
+
+class KVHandoff:
+    """Prefill side: :meth:`publish`; decode side: :meth:`fetch`, :meth:`lookup`, :meth:`fetch_prefix`."""
+
+    def __init__(self, store: KVStore, layout: KVLayout, *, chunk_blocks: int = 16, producer: str | None = None,
+                 status_ttl: float = STATUS_GRACE_S):
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be an int >= 1, got {chunk_blocks!r}")
+        self.store, self.layout, self.chunk_blocks = store, layout, chunk_blocks
+        self.status_ttl = status_ttl
+        self.producer = producer or f"{socket.gethostname()}:{os.getpid()}"
+        self._pool: ThreadPoolExecutor | None = None
+        self.last_fetch: FetchResult | None = None
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.chunk_blocks * self.layout.block_size
+
+    # ---- prefill side -------------------------------------------------------------------------------
+    def publish(self, request_id: str, kv_caches: Sequence[torch.Tensor], block_ids: Any, *, num_tokens: int,
+                token_ids: Sequence[int] | None = None, ttl: float = 60.0) -> Ticket:
+        """Pack the request's pages now (the caller may reuse its blocks as soon as this returns) and commit
+        them with their RequestMeta in the background; nothing is visible to ``fetch`` until all is."""
+        rid = _check_request_id(request_id)
+        ids = self._block_tensor(block_ids, kv_caches)
+        self._check_counts(num_tokens, len(ids), token_ids)
+        packed = torch.empty(ops.packed_shape(self.layout, len(ids)), dtype=self.layout.dtype, device=ids.device)
+        ops.gather_pages(kv_caches, ids, packed, layout=self.layout)
+        packed = packed.cpu()
+        keys = request_keys(rid)
+        self.store.put(keys["claim"], self.producer.encode(), ttl=ttl, ephemeral=True)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-handoff")
+        future = self._pool.submit(self._commit, rid, packed, num_tokens, token_ids, ttl)
+        return Ticket(rid, future)
+
+    def _commit(self, rid: str, packed: torch.Tensor, num_tokens: int, token_ids, ttl: float) -> RequestMeta:
+        keys = request_keys(rid)
+        bounds = [(b, min(b + self.chunk_blocks, len(packed))) for b in range(0, len(packed), self.chunk_blocks)]
+        if token_ids is not None:
+            names = chunk_keys(self.layout, token_ids, self.chunk_tokens)
+        else:
+            names = [f"hf/{rid}/chunk/{i}" for i in range(len(bounds))]
+        chunks = [packed[b0:b1] for b0, b1 in bounds]
+        raw = [memoryview(c.view(torch.uint8).reshape(-1).numpy()) for c in chunks]
+        meta = RequestMeta(
+            request_id=rid, layout=self.layout.to_dict(), fingerprint=self.layout.fingerprint(),
+            num_tokens=num_tokens, num_blocks=len(packed), chunk_keys=tuple(names),
+            chunk_blocks=tuple(b1 - b0 for b0, b1 in bounds), checksums=tuple(xxhash.xxh3_64_intdigest(r) for r in raw),
+            producer=self.producer, created=time.time(), ttl=ttl, token_hash=_token_hash(token_ids),
+            nbytes=sum(len(r) for r in raw))
+        status = self._status("published", meta)
+        try:
+            self.store.batch_put(list(zip(names, raw)) + [(keys["meta"], msgpack.packb(meta.to_wire()))], ttl=ttl)
+            self.store.put(keys["status"], status, ttl=ttl + self.status_ttl)
+        finally:
+            _quietly(self.store.remove, keys["claim"])
+        if self.store.exists(keys["cancel"]):  # cancelled while we were committing: take it back
+            self._drop(meta, keep_chunks=False)
+        return meta
+
+    def cancel(self, request_id: str) -> None:
+        """Withdraw the request: its objects are removed now and a waiting ``fetch`` raises
+        HandoffAbortedError."""
+        rid = _check_request_id(request_id)
+        keys = request_keys(rid)
+        self.store.put(keys["cancel"], b"cancelled", ttl=self.status_ttl)
+        meta = self._read_meta(rid)
+        if meta is not None:
+            self._drop(meta, keep_chunks=False)
+        self.store.put(keys["status"], self._status("cancelled", meta, rid), ttl=self.status_ttl)
+
+    # ---- decode side --------------------------------------------------------------------------------
+    def fetch(self, request_id: str, kv_caches: Sequence[torch.Tensor], block_ids: Any, *, timeout: float = 5.0,
+              num_tokens: int | None = None, keep: bool = False) -> RequestMeta:
+        """Wait for the request (notified by the store), check it against this side's layout and block
+        count, verify every chunk's checksum, and only then scatter it into ``kv_caches[block_ids]``.
+
+        Raises LayoutMismatchError (cache untouched), HandoffTimeoutError, HandoffAbortedError. Afterwards
+        the request's objects are removed, or kept for prefix reuse with ``keep=True``."""
+        rid = _check_request_id(request_id)
+        ids = self._block_tensor(block_ids, kv_caches)
+        started = time.perf_counter()
+        self._await_published(rid, time.monotonic() + timeout, timeout)
+        meta = self._read_meta(rid)
+        if meta is None:
+            raise HandoffAbortedError(f"request {rid!r} disappeared (cancelled, expired or fetched by another worker)")
+        self._check_meta(meta, len(ids), num_tokens)
+        packed = self._read_chunks(meta)
+        ops.scatter_pages(packed.to(ids.device), ids, kv_caches, layout=self.layout)
+        self.last_fetch = FetchResult(meta, meta.nbytes, time.perf_counter() - started)
+        self.store.put(request_keys(rid)["status"], self._status("fetched", meta), ttl=meta.ttl + self.status_ttl)
+        self._drop(meta, keep_chunks=keep)
+        return meta
+
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` already have their KV stored (whole chunks)."""
+        keys = chunk_keys(self.layout, token_ids, self.chunk_tokens)
+        present = self.store.batch_exists(keys) if keys else []
+        n = 0
+        for i, ok in enumerate(present):
+            if not ok:
+                break
+            n = min((i + 1) * self.chunk_tokens, len(token_ids))
+        return n
+
+    def fetch_prefix(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], block_ids: Any) -> int:
+        """Scatter the stored chunks of the longest stored prefix of ``token_ids`` into the first blocks of
+        ``block_ids``; returns the number of tokens fetched (0 if none)."""
+        n_tokens = self.lookup(token_ids)
+        if n_tokens == 0:
+            return 0
+        keys = chunk_keys(self.layout, token_ids[:n_tokens], self.chunk_tokens)
+        n_blocks = math.ceil(n_tokens / self.layout.block_size)
+        ids = self._block_tensor(block_ids, kv_caches)[:n_blocks]
+        packed = torch.empty(ops.packed_shape(self.layout, n_blocks), dtype=self.layout.dtype)
+        for i, key in enumerate(keys):
+            b0 = i * self.chunk_blocks
+            b1 = min(b0 + self.chunk_blocks, n_blocks)
+            try:
+                self.store.get_into(key, packed[b0:b1], verify=True)
+            except KeyNotFoundError:
+                return 0  # evicted since lookup: nothing written, the caller recomputes
+        ops.scatter_pages(packed.to(ids.device), ids, kv_caches, layout=self.layout)
+        return n_tokens
+
+    # ---- inspection ---------------------------------------------------------------------------------
+    @staticmethod
+    def requests(store: KVStore) -> list[dict]:
+        """Every request with a status record: state, bytes, chunks, layout, age."""
+        out = []
+        for key in store.keys("hf/"):
+            if not key.endswith("/status"):
+                continue
+            try:
+                record = msgpack.unpackb(bytes(store.get(key)))
+            except KeyNotFoundError:
+                continue
+            rid = record["request_id"]
+            if record["state"] == "published" and not store.exists(request_keys(rid)["meta"]):
+                record["state"] = "expired"
+            record["age_s"] = round(time.time() - record["created"], 3)
+            out.append(record)
+        return out
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _await_published(self, rid: str, deadline: float, timeout: float) -> None:
+        keys = request_keys(rid)
+        saw_claim = False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HandoffTimeoutError(f"request {rid!r} was not published within {timeout} s")
+            found = self.store.wait([keys["meta"], keys["cancel"]], min(left, _POLL_SLICE_S))
+            if found == keys["meta"]:
+                return
+            if found == keys["cancel"]:
+                raise HandoffAbortedError(f"request {rid!r} was cancelled")
+            meta, cancel, claim = self.store.batch_exists([keys["meta"], keys["cancel"], keys["claim"]])
+            if meta:
+                return
+            if cancel:
+                raise HandoffAbortedError(f"request {rid!r} was cancelled")
+            if saw_claim and not claim:
+                raise HandoffAbortedError(f"the producer of request {rid!r} went away before publishing it")
+            saw_claim = saw_claim or claim
+
+    def _read_meta(self, rid: str) -> RequestMeta | None:
+        try:
+            return RequestMeta.from_wire(msgpack.unpackb(bytes(self.store.get(request_keys(rid)["meta"]))))
+        except KeyNotFoundError:
+            return None
+
+    def _check_meta(self, meta: RequestMeta, num_blocks: int, num_tokens: int | None) -> None:
+        mine = self.layout.to_dict()
+        if meta.fingerprint != self.layout.fingerprint():
+            diff = {k: (meta.layout.get(k), mine[k]) for k in mine if meta.layout.get(k) != mine[k]}
+            raise LayoutMismatchError(f"request {meta.request_id!r}: producer layout differs from this consumer's "
+                                      f"(field: (producer, consumer)) {diff or 'fingerprint only'}")
+        if meta.num_blocks != num_blocks:
+            raise LayoutMismatchError(f"request {meta.request_id!r}: producer sent {meta.num_blocks} blocks, "
+                                      f"consumer gave {num_blocks} block ids")
+        if num_tokens is not None and meta.num_tokens != num_tokens:
+            raise LayoutMismatchError(f"request {meta.request_id!r}: producer has {meta.num_tokens} tokens, "
+                                      f"consumer expects {num_tokens}")
+
+    def _read_chunks(self, meta: RequestMeta) -> torch.Tensor:
+        packed = torch.empty(ops.packed_shape(self.layout, meta.num_blocks), dtype=self.layout.dtype)
+        b0 = 0
+        for key, n, checksum in zip(meta.chunk_keys, meta.chunk_blocks, meta.checksums):
+            chunk = packed[b0:b0 + n]
+            try:
+                self.store.get_into(key, chunk)
+            except KeyNotFoundError:
+                raise HandoffAbortedError(f"request {meta.request_id!r}: chunk {key} is gone "
+                                          "(evicted or expired); recompute") from None
+            actual = xxhash.xxh3_64_intdigest(memoryview(chunk.view(torch.uint8).reshape(-1).numpy()))
+            if actual != checksum:
+                raise HandoffAbortedError(f"request {meta.request_id!r}: chunk {key} has checksum {actual:#x}, "
+                                          f"the producer published {checksum:#x}; nothing was written")
+            b0 += n
+        return packed
+
+    def _drop(self, meta: RequestMeta, keep_chunks: bool) -> None:
+        _quietly(self.store.remove, request_keys(meta.request_id)["meta"])
+        if not keep_chunks:
+            for key in meta.chunk_keys:
+                _quietly(self.store.remove, key)
+
+    def _status(self, state: str, meta: RequestMeta | None, rid: str | None = None) -> bytes:
+        record = {"request_id": meta.request_id if meta else rid, "state": state, "updated": time.time(),
+                  "created": meta.created if meta else time.time(), "bytes": meta.nbytes if meta else 0,
+                  "chunks": len(meta.chunk_keys) if meta else 0, "num_tokens": meta.num_tokens if meta else 0,
+                  "model_id": self.layout.model_id, "layout": self.layout.kind.value,
+                  "fingerprint": self.layout.fingerprint(), "producer": meta.producer if meta else ""}
+        return msgpack.packb(record)
+
+    def _block_tensor(self, block_ids: Any, kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
+        if not kv_caches:
+            raise ValueError("kv_caches is empty; expected one tensor per layer")
+        device = kv_caches[0].device
+        if isinstance(block_ids, torch.Tensor):
+            return block_ids.to(device=device, dtype=torch.int64) if block_ids.dtype not in (torch.int32, torch.int64) \
+                or block_ids.device != device else block_ids
+        return torch.as_tensor(list(block_ids), dtype=torch.int64, device=device)
+
+    def _check_counts(self, num_tokens: int, num_blocks: int, token_ids) -> None:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+        need = math.ceil(num_tokens / self.layout.block_size)
+        if need != num_blocks:
+            raise ValueError(f"{num_tokens} tokens need {need} blocks of {self.layout.block_size}, "
+                             f"got {num_blocks} block ids")
+        if token_ids is not None and len(token_ids) != num_tokens:
+            raise ValueError(f"token_ids has {len(token_ids)} ids but num_tokens is {num_tokens}")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _check_request_id(request_id: object) -> str:
+    if not isinstance(request_id, str) or not request_id or "/" in request_id or len(request_id) > 256:
+        raise InvalidArgumentError(f"request_id must be a non-empty str of at most 256 chars without '/', "
+                                   f"got {request_id!r}")
+    return request_id
+
+
+def _token_hash(token_ids) -> str:
+    if token_ids is None:
+        return ""
+    data = torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().astype("<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _quietly(fn, key: str) -> None:
+    try:
+        fn(key)
+    except (KeyNotFoundError, ObjectBusyError):
+        pass  # already gone, or a reader still holds it: its TTL reclaims it
