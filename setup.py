@@ -23,7 +23,11 @@ from pathlib import Path
 from pybind11.setup_helpers import Pybind11Extension
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
-from setuptools.modified import newer_group
+
+try:
+    from setuptools.modified import newer_group
+except ImportError:  # setuptools < 69
+    from setuptools._distutils.dep_util import newer_group
 
 ROOT = Path(__file__).resolve().parent
 CSRC = Path("csrc")

@@ -130,10 +130,10 @@ class KVHandoff:
             chunk_blocks=tuple(b1 - b0 for b0, b1 in bounds), checksums=tuple(xxhash.xxh3_64_intdigest(r) for r in raw),
             producer=self.producer, created=time.time(), ttl=ttl, token_hash=_token_hash(token_ids),
             nbytes=sum(len(r) for r in raw))
-        status = self._status("published", meta)
+        # The status goes first: a consumer may fetch (and mark it fetched) the moment the batch commits.
+        self.store.put(keys["status"], self._status("published", meta), ttl=ttl + self.status_ttl)
         try:
             self.store.batch_put(list(zip(names, raw)) + [(keys["meta"], msgpack.packb(meta.to_wire()))], ttl=ttl)
-            self.store.put(keys["status"], status, ttl=ttl + self.status_ttl)
         finally:
             _quietly(self.store.remove, keys["claim"])
         if self.store.exists(keys["cancel"]):  # cancelled while we were committing: take it back
@@ -217,9 +217,9 @@ class KVHandoff:
                 record = msgpack.unpackb(bytes(store.get(key)))
             except KeyNotFoundError:
                 continue
-            rid = record["request_id"]
-            if record["state"] == "published" and not store.exists(request_keys(rid)["meta"]):
-                record["state"] = "expired"
+            keys = request_keys(record["request_id"])
+            if record["state"] == "published" and not store.exists(keys["meta"]):
+                record["state"] = "publishing" if store.exists(keys["claim"]) else "expired"
             record["age_s"] = round(time.time() - record["created"], 3)
             out.append(record)
         return out

@@ -76,8 +76,9 @@ def _gather_pages_op(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out
                      layout_kind: str) -> None:
     pages = _inspect(layout_kind, kv_caches, block_ids, out, "out")
     ids = _checked_ids(block_ids, pages.num_cache_blocks, unique=False)
-    _check_disjoint(out, "out", kv_caches)
-    _launch(pages, kv_caches, ids, out, gather=True)
+    ptrs = [t.data_ptr() for t in kv_caches]
+    _check_disjoint(out, "out", kv_caches, ptrs)
+    _launch(pages, ptrs, ids, out, gather=True)
 
 
 @_gather_pages_op.register_fake
@@ -90,9 +91,10 @@ def _scatter_pages_op(src: torch.Tensor, block_ids: torch.Tensor, kv_caches: lis
                       layout_kind: str) -> None:
     pages = _inspect(layout_kind, kv_caches, block_ids, src, "src")
     ids = _checked_ids(block_ids, pages.num_cache_blocks, unique=True)
-    _check_writable_caches(kv_caches)
-    _check_disjoint(src, "src", kv_caches)
-    _launch(pages, kv_caches, ids, src, gather=False)
+    ptrs = [t.data_ptr() for t in kv_caches]
+    _check_writable_caches(kv_caches, ptrs)
+    _check_disjoint(src, "src", kv_caches, ptrs)
+    _launch(pages, ptrs, ids, src, gather=False)
 
 
 @_scatter_pages_op.register_fake
@@ -119,7 +121,8 @@ def _check_layout_type(layout: object) -> None:
 
 
 def _check_call(layout: KVLayout, kv_caches, block_ids, packed, name: str) -> list[torch.Tensor]:
-    """Checks the caches against the layout (the op itself checks them against each other and ``packed``)."""
+    """Checks argument types and the first cache against the layout; the op checks every other layer
+    against the first (so per-layer work is done once)."""
     _check_layout_type(layout)
     if isinstance(kv_caches, torch.Tensor) or not isinstance(kv_caches, Sequence):
         raise TypeError(f"kv_caches must be a list of tensors (one per layer), got {type(kv_caches).__name__}")
@@ -130,17 +133,18 @@ def _check_call(layout: KVLayout, kv_caches, block_ids, packed, name: str) -> li
     kv_caches = list(kv_caches)
     if len(kv_caches) != layout.num_layers:
         raise ValueError(f"kv_caches: expected {layout.num_layers} layers (layout.num_layers), got {len(kv_caches)}")
+    if not all(isinstance(cache, torch.Tensor) for cache in kv_caches):
+        i, bad = next((i, c) for i, c in enumerate(kv_caches) if not isinstance(c, torch.Tensor))
+        raise TypeError(f"kv_caches[{i}] must be a torch.Tensor, got {type(bad).__name__}")
+    first = kv_caches[0]
+    if first.dtype != layout.dtype:
+        raise TypeError(f"kv_caches[0]: expected dtype {layout.dtype} (layout.dtype), got {first.dtype}")
     block_dim = layout.kind.cache_dims.index("block")
-    for i, cache in enumerate(kv_caches):
-        if not isinstance(cache, torch.Tensor):
-            raise TypeError(f"kv_caches[{i}] must be a torch.Tensor, got {type(cache).__name__}")
-        if cache.dtype != layout.dtype:
-            raise TypeError(f"kv_caches[{i}]: expected dtype {layout.dtype} (layout.dtype), got {cache.dtype}")
-        expected = layout.cache_shape(cache.shape[block_dim] if cache.dim() > block_dim else 0)
-        if tuple(cache.shape) != expected:
-            shown = tuple("num_blocks" if d == block_dim else s for d, s in enumerate(expected))
-            raise ValueError(f"kv_caches[{i}]: expected shape {shown} for {layout.kind.name} "
-                             f"{layout.kind.cache_dims}, got {tuple(cache.shape)}")
+    expected = layout.cache_shape(first.shape[block_dim] if first.dim() > block_dim else 0)
+    if tuple(first.shape) != expected:
+        shown = tuple("num_blocks" if d == block_dim else s for d, s in enumerate(expected))
+        raise ValueError(f"kv_caches[0]: expected shape {shown} for {layout.kind.name} "
+                         f"{layout.kind.cache_dims}, got {tuple(first.shape)}")
     return kv_caches
 
 
@@ -163,12 +167,7 @@ def _inspect(layout_kind: str, kv_caches: list[torch.Tensor], block_ids, packed,
         dtype_name(first.dtype)
     except ValueError as exc:
         raise TypeError(f"kv_caches[0]: {exc}") from None
-    for i, cache in enumerate(kv_caches[1:], start=1):
-        for what, want, got in (("shape", first.shape, cache.shape), ("stride", first.stride(), cache.stride()),
-                                ("dtype", first.dtype, cache.dtype), ("device", first.device, cache.device)):
-            if want != got:
-                error = TypeError if what == "dtype" else ValueError
-                raise error(f"kv_caches[{i}]: expected the {what} of kv_caches[0], {want}, got {got}")
+    _check_same_as_first(kv_caches)
     _check_ids_tensor(block_ids, first.device)
     block_dim = dims.index("block")
     block_dims = [dims.index(d) for d in kind.block_dims]
@@ -177,6 +176,18 @@ def _inspect(layout_kind: str, kv_caches: list[torch.Tensor], block_ids, packed,
     return _Pages(num_layers=len(kv_caches), num_cache_blocks=first.shape[block_dim],
                   block_stride=first.stride(block_dim), dim_sizes=[first.shape[d] for d in block_dims],
                   dim_strides=[first.stride(d) for d in block_dims], itemsize=first.element_size())
+
+
+def _check_same_as_first(kv_caches: list[torch.Tensor]) -> None:
+    first = kv_caches[0]
+    shape, stride, dtype, device = first.shape, first.stride(), first.dtype, first.device
+    for i, cache in enumerate(kv_caches):  # one fast pass; the slow, precise message only on failure
+        if cache.shape != shape or cache.stride() != stride or cache.dtype != dtype or cache.device != device:
+            for what, want, got in (("shape", shape, cache.shape), ("stride", stride, cache.stride()),
+                                    ("dtype", dtype, cache.dtype), ("device", device, cache.device)):
+                if want != got:
+                    error = TypeError if what == "dtype" else ValueError
+                    raise error(f"kv_caches[{i}]: expected the {what} of kv_caches[0], {want}, got {got}")
 
 
 def _check_ids_tensor(block_ids, device: torch.device) -> None:
@@ -226,24 +237,25 @@ def _checked_ids(block_ids: torch.Tensor, num_cache_blocks: int, unique: bool) -
     return ids
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """Byte range [start, end) a tensor's elements occupy (strides are non-negative in torch)."""
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to one past its last (torch strides are non-negative)."""
     if t.numel() == 0:
-        return (t.data_ptr(), t.data_ptr())
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+        return 0
+    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def _check_disjoint(packed: torch.Tensor, name: str, kv_caches: list[torch.Tensor]) -> None:
-    start, end = _span(packed)
-    for i, cache in enumerate(kv_caches):
-        c_start, c_end = _span(cache)
-        if start < c_end and c_start < end:
+def _check_disjoint(packed: torch.Tensor, name: str, kv_caches: list[torch.Tensor], ptrs: list[int]) -> None:
+    start = packed.data_ptr()
+    end = start + _extent_bytes(packed)
+    extent = _extent_bytes(kv_caches[0])  # every layer has the same shape and strides
+    for i, c_start in enumerate(ptrs):
+        if start < c_start + extent and c_start < end:
             raise ValueError(f"{name} overlaps kv_caches[{i}] in memory ({name} bytes [{start:#x}, {end:#x}), "
-                             f"cache bytes [{c_start:#x}, {c_end:#x})); expected disjoint source and destination")
+                             f"cache bytes [{c_start:#x}, {c_start + extent:#x})); expected disjoint source and "
+                             f"destination")
 
 
-def _check_writable_caches(kv_caches: list[torch.Tensor]) -> None:
+def _check_writable_caches(kv_caches: list[torch.Tensor], ptrs: list[int]) -> None:
     """Scatter destinations: no element reachable twice, and no layer passed twice."""
     first = kv_caches[0]
     dims = sorted((st, sz) for sz, st in zip(first.shape, first.stride()) if sz > 1)
@@ -253,11 +265,13 @@ def _check_writable_caches(kv_caches: list[torch.Tensor]) -> None:
             raise ValueError(f"kv_caches: expected non-overlapping strides, got shape {tuple(first.shape)} with "
                              f"strides {first.stride()} (an expanded or aliased view cannot be written)")
         extent = stride * size
-    seen: dict[int, int] = {}
-    for i, cache in enumerate(kv_caches):
-        j = seen.setdefault(cache.data_ptr(), i)
-        if j != i:
-            raise ValueError(f"kv_caches[{j}] and kv_caches[{i}] are the same memory; expected one tensor per layer")
+    if len(set(ptrs)) != len(ptrs):
+        seen: dict[int, int] = {}
+        for i, ptr in enumerate(ptrs):
+            j = seen.setdefault(ptr, i)
+            if j != i:
+                raise ValueError(f"kv_caches[{j}] and kv_caches[{i}] are the same memory; expected one tensor per "
+                                 f"layer")
 
 
 # -- kernels -------------------------------------------------------------------------------------------------
@@ -270,8 +284,8 @@ def _native(name: str):
         raise RuntimeError(f"{hint} ({exc})") from exc
 
 
-def _launch(pages: _Pages, kv_caches: list[torch.Tensor], ids: torch.Tensor, packed: torch.Tensor,
-            gather: bool) -> None:
+def _launch(pages: _Pages, ptrs: list[int], ids: torch.Tensor, packed: torch.Tensor, gather: bool) -> None:
+    """Runs (CPU) or enqueues (CUDA) one kernel; ``ptrs`` are the layers' base addresses."""
     if ids.numel() == 0:
         return
     common = dict(block_ids=ids.data_ptr(), ids_int64=ids.dtype == torch.int64, num_ids=ids.numel(),
@@ -281,12 +295,12 @@ def _launch(pages: _Pages, kv_caches: list[torch.Tensor], ids: torch.Tensor, pac
     if packed.device.type == "cpu":
         native = _native("_C")
         fn = native.gather_pages if gather else native.scatter_pages
-        fn(layer_ptrs=[t.data_ptr() for t in kv_caches], num_threads=torch.get_num_threads(), **common)
+        fn(layer_ptrs=ptrs, num_threads=torch.get_num_threads(), **common)
         return
     native = _native("_C_cuda")
     device = packed.device
     stream = torch.cuda.current_stream(device)
-    table, bits = _layer_table(kv_caches, device)
+    table, bits = _layer_table(ptrs, device)
     table.record_stream(stream)  # the table may be evicted while this launch is still queued
     fn = native.gather_pages if gather else native.scatter_pages
     fn(layer_ptrs=table.data_ptr(), layer_ptr_bits=bits, num_layers=pages.num_layers, device=device.index,
@@ -298,13 +312,12 @@ _tables: collections.OrderedDict[tuple, tuple[torch.Tensor, int]] = collections.
 _tables_lock = threading.Lock()
 
 
-def _layer_table(kv_caches: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+def _layer_table(ptrs: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
     """Device array of the layers' base addresses (and their OR), built once per set of caches.
 
     Keyed by the addresses themselves, so a hit is always correct, even after the caches were reallocated.
     """
-    ptrs = tuple(t.data_ptr() for t in kv_caches)
-    key = (device.index, ptrs)
+    key = (device.index, tuple(ptrs))
     with _tables_lock:
         hit = _tables.get(key)
         if hit is not None:

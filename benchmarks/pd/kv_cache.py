@@ -82,14 +82,3 @@ class PagedKVCache:
         pages = self.layers[layer].index_select(1, block_table)
         flat = pages.reshape(2, -1, self.spec.num_kv_heads, self.spec.head_dim)
         return flat[0, :num_tokens], flat[1, :num_tokens]
-
-    def copy_blocks(self, src: PagedKVCache, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Copy whole blocks from another cache of the same geometry (used by tests and the inline mode)."""
-        if src.spec != self.spec:
-            raise ValueError(f"cache geometry differs: {src.spec} vs {self.spec}")
-        if len(src_blocks) != len(dst_blocks):
-            raise ValueError(f"block lists differ in length: {len(src_blocks)} vs {len(dst_blocks)}")
-        s = torch.tensor(src_blocks, dtype=torch.long)
-        d = torch.tensor(dst_blocks, dtype=torch.long)
-        for mine, theirs in zip(self.layers, src.layers):
-            mine.index_copy_(1, d, theirs.index_select(1, s))

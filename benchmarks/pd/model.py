@@ -176,3 +176,11 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(x, batch, cache)
         return self.lm_head(self.norm(x[batch.last_token_index]))
+
+
+#: named sizes for the command line; ``tiny`` is for tests (milliseconds per step)
+MODEL_PRESETS = {
+    "default": ModelConfig(),
+    "tiny": ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=176, max_position=4096),
+}

@@ -28,6 +28,8 @@ class WorkerPool(Protocol):
 
     def stop(self) -> list[dict]: ...  # every live worker's ``stats``; the pool is unusable afterwards
 
+    def abort(self) -> None: ...  # tear everything down now, collecting nothing (after an error)
+
 
 class ProcessPool:
     """One spawned process per worker, each talking msgpack over its own pipe."""
@@ -54,8 +56,9 @@ class ProcessPool:
         while time.monotonic() < deadline:
             if self.chans[index].poll(0.2):
                 msg = self.chans[index].recv()
-                if msg["op"] != "ready":
-                    raise RuntimeError(f"worker {index} sent {msg['op']!r} before 'ready'")
+                if msg.pop("op") != "ready":
+                    raise RuntimeError(f"worker {index} sent a message before 'ready'")
+                msg.pop("v", None)
                 return msg
             if not self.procs[index].is_alive():
                 raise RuntimeError(f"worker {index} exited with code {self.procs[index].exitcode} while starting")
@@ -107,6 +110,15 @@ class ProcessPool:
             chan.close()
         return stats
 
+    def abort(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+            proc.join(timeout=5)
+        for chan in self.chans.values():
+            chan.close()
+        self.procs.clear()
+        self.chans.clear()
+
     def _await_stats(self, index: int, timeout_s: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -120,18 +132,20 @@ class ProcessPool:
 class InlinePool:
     """Every worker in this process, stepped in turn; prefill and decode roles share one embedded store."""
 
-    def __init__(self, specs: list[WorkerSpec]):
+    def __init__(self, specs: list[WorkerSpec], ports: dict[int, Any] | None = None):
+        """``ports``: per worker index, a KV port replacing the store hand-off (tests, fault injection)."""
         self.specs = specs
+        self.ports = ports or {}
         self.workers: list[Worker] = []
         self.store: Any = None
 
     def start(self) -> list[dict]:
-        store_specs = [s.store for s in self.specs if s.store is not None]
+        store_specs = [s.store for s in self.specs if s.store is not None and s.index not in self.ports]
         if store_specs:
             from benchmarks.pd.transfer import open_store
 
             self.store = open_store(store_specs[0])
-        self.workers = [Worker(spec, store=self.store) for spec in self.specs]
+        self.workers = [Worker(spec, store=self.store, port=self.ports.get(spec.index)) for spec in self.specs]
         return [w.ready_info() for w in self.workers]
 
     def begin(self, t0: float) -> None:
@@ -149,8 +163,13 @@ class InlinePool:
 
     def stop(self) -> list[dict]:
         stats = [w.stats() for w in self.workers]
+        self.abort()
+        return stats
+
+    def abort(self) -> None:
         for w in self.workers:
             w.close()
+        self.workers = []
         if self.store is not None:
             self.store.close()
-        return stats
+            self.store = None

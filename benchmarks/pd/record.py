@@ -92,19 +92,22 @@ class RequestRecord:
         def delta(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else round(b - a, 6)
 
+        def r6(t: float | None) -> float | None:
+            return None if t is None else round(t, 6)
+
         transfer = self.publish_s + self.fetch_s if self.handed_off else 0.0
         return {
             "id": self.id, "class": self.klass, "arrival_s": round(self.arrival_s, 6),
             "prompt_tokens": self.prompt_tokens, "output_tokens": len(self.output_token_ids),
-            "target_output_tokens": self.output_tokens, "dispatch_s": self.dispatch_s,
+            "target_output_tokens": self.output_tokens, "dispatch_s": r6(self.dispatch_s),
             "prefill_worker": self.prefill_worker, "decode_worker": self.decode_worker,
             "prefill_queue_s": delta(self.arrival_s, self.prefill_start_s),
-            "prefill_start_s": self.prefill_start_s, "prefill_end_s": self.prefill_end_s,
-            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
-            "tpot_s": None if self.tpot_s is None else round(self.tpot_s, 6),
+            "prefill_start_s": r6(self.prefill_start_s), "prefill_end_s": r6(self.prefill_end_s),
+            "ttft_s": r6(self.ttft_s),
+            "tpot_s": r6(self.tpot_s),
             "e2e_s": delta(self.arrival_s, self.token_times_s[-1] if self.token_times_s else None),
             "decode_queue_s": delta(self.decode_ready_s, self.decode_admit_s),
-            "decode_admit_s": self.decode_admit_s, "token_times_s": [round(t, 6) for t in self.token_times_s],
+            "decode_admit_s": r6(self.decode_admit_s), "token_times_s": [round(t, 6) for t in self.token_times_s],
             "output_token_ids": self.output_token_ids, "kv_bytes": self.kv_bytes,
             "kv_bytes_transferred": self.kv_bytes if self.handed_off else 0,
             "transfer_s": round(transfer, 6), "publish_s": round(self.publish_s, 6),

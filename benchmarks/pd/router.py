@@ -41,7 +41,15 @@ class Router:
 
     def run(self) -> tuple[list[RequestRecord], list[dict]]:
         """Serve the whole trace; returns the records (trace order) and each worker's stats."""
-        self.worker_info = self.pool.start()
+        try:
+            self.worker_info = self.pool.start()
+            self._serve()
+        except BaseException:
+            self.pool.abort()
+            raise
+        return [self.records[r.id] for r in self.trace.requests], self.pool.stop()
+
+    def _serve(self) -> None:
         self.t0 = time.monotonic()
         self.pool.begin(self.t0)
         pending = deque(self.trace.requests)
@@ -56,7 +64,6 @@ class Router:
             if now > deadline:
                 raise TimeoutError(f"{len(self.unfinished)} requests unfinished {now:.1f} s into the run: "
                                    f"{sorted(self.unfinished)[:8]}")
-        return [self.records[r.id] for r in self.trace.requests], self.pool.stop()
 
     # -- dispatch ---------------------------------------------------------------------------------------
     def _pick(self, roles: tuple[Policy, ...]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ class StoreDaemon:
         self._dir: str | None = None
         self._proc: subprocess.Popen | None = None
         self._log = None
+        self.exit_code: int | None = None  # set by stop(); 0 is a clean shutdown
 
     @property
     def url(self) -> str:
@@ -29,10 +31,14 @@ class StoreDaemon:
         return f"unix://{self._dir}/kv.sock"
 
     def start(self) -> StoreDaemon:
-        self._dir = tempfile.mkdtemp(prefix="pd-kvstore-")
+        import kvstore
+
+        self._dir = tempfile.mkdtemp(prefix="pd-kvs-", dir="/tmp")  # Unix socket paths are limited to ~107 bytes
         cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", self.url, "--capacity", self.capacity]
+        root = str(Path(kvstore.__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
             self._await_ready()
         except BaseException:
@@ -64,6 +70,16 @@ class StoreDaemon:
             return ""
         return "\n--- daemon log ---\n" + Path(self.log_path).read_text(errors="replace")[-2000:]
 
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU seconds the daemon has used so far (Linux /proc), or None if unreadable."""
+        if self._proc is None:
+            return None
+        try:
+            fields = Path(f"/proc/{self._proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return None
+
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after 10 s; returns the exit code."""
         code = None
@@ -76,6 +92,7 @@ class StoreDaemon:
                     self._proc.kill()
                     self._proc.wait(timeout=5)
             code, self._proc = self._proc.returncode, None
+            self.exit_code = code
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()
         self._log = None

@@ -19,7 +19,7 @@ import msgpack
 import torch
 
 from benchmarks.pd.channel import Channel, ChannelClosedError
-from benchmarks.pd.engine import Engine, StepOutcome
+from benchmarks.pd.engine import Engine, KVPort, StepOutcome
 from benchmarks.pd.kv_cache import CacheSpec
 from benchmarks.pd.model import LlamaModel, ModelConfig
 from benchmarks.pd.request import Request
@@ -74,13 +74,13 @@ def request_to_wire(r: Request) -> dict:
 class Worker:
     """One engine plus its bookkeeping; ``handle`` takes router messages, ``step`` returns messages back."""
 
-    def __init__(self, spec: WorkerSpec, store: Any | None = None):
+    def __init__(self, spec: WorkerSpec, store: Any | None = None, port: KVPort | None = None):
+        """``store``: a shared (embedded) store for the hand-off; ``port``: replaces the hand-off entirely."""
         self.spec = spec
         torch.set_num_threads(spec.threads)
         self.t0 = time.monotonic()
         self.model = LlamaModel(spec.model)
-        port = None
-        if spec.policy in (Policy.PREFILL_ONLY, Policy.DECODE_ONLY):
+        if port is None and spec.policy in (Policy.PREFILL_ONLY, Policy.DECODE_ONLY):
             if spec.store is None:
                 raise ValueError(f"worker {spec.index}: role {spec.policy.value} needs a store")
             port = KVTransfer(spec.store, spec.cache_spec, spec.model.model_id, store=store)
@@ -108,7 +108,8 @@ class Worker:
         if msg["op"] not in ("add", "decode"):
             raise ValueError(f"worker {self.spec.index}: unknown message op {msg['op']!r}")
         r = msg["req"]
-        request = Request(r["id"], list(r["prompt_ids"]), int(r["max_output"]), output_ids=list(r.get("output_ids", [])))
+        request = Request(r["id"], list(r["prompt_ids"]), int(r["max_output"]),
+                          output_ids=list(r.get("output_ids", [])))
         if msg["op"] == "decode" and len(request.output_ids) != 1:
             raise ValueError(f"decode of {request.id} needs exactly the first output token, got {request.output_ids}")
         self.engine.add(request)
@@ -127,23 +128,32 @@ class Worker:
 
     def stats(self) -> dict:
         return {"worker": self.spec.index, "role": self.spec.policy.value, "timeline": self.timeline,
+                "cpu_s": round(time.process_time(), 3),
                 "peak_blocks": self.engine.allocator.peak_used,
                 "peak_kv_bytes": self.engine.allocator.peak_used * self.spec.cache_spec.block_bytes}
 
     def close(self) -> None:
-        if self.port is not None:
-            self.port.close()
+        close = getattr(self.port, "close", None)
+        if close is not None:
+            close()
 
     def _warm_up(self) -> None:
-        """Run one short request through the model so first-call costs stay out of the measurement."""
+        """Run one short request through the model, and through the hand-off when this role has one, so
+        first-call costs (allocations, store connection, segment mapping) stay out of the measurement."""
         from benchmarks.pd.attention import AttentionBatch, SeqChunk
 
         cache, alloc = self.engine.cache, self.engine.allocator
-        blocks = alloc.allocate("__warmup__", cache.spec.blocks_for(33))
+        rid = f"warmup-{os.getpid()}-{self.spec.index}"
+        blocks = alloc.allocate(rid, cache.spec.blocks_for(33))
         ids = torch.arange(32) % self.spec.model.vocab_size
         self.model(ids, AttentionBatch.build([SeqChunk(blocks, 0, 32)], cache), cache)
         self.model(ids[:1], AttentionBatch.build([SeqChunk(blocks, 32, 1)], cache), cache)
-        alloc.free("__warmup__")
+        if self.port is not None:
+            request = Request(rid, ids.tolist(), 1)
+            prompt_blocks = blocks[: cache.spec.blocks_for(32)]
+            self.port.publish(request, cache, prompt_blocks)
+            self.port.fetch(request, cache, prompt_blocks)
+        alloc.free(rid)
         alloc.peak_used = 0
 
 
