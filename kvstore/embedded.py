@@ -41,8 +41,10 @@ class EmbeddedStore(KVStore):
         self._closed = False
 
     def _m(self) -> Master:
+        """The master, with expired objects dropped (a heap peek when none is due); caller holds the lock."""
         if self._closed:
             raise StoreConnectionError("store is closed")
+        self._master.expire()
         return self._master
 
     def _region(self, replica: Replica) -> memoryview:
@@ -59,7 +61,6 @@ class EmbeddedStore(KVStore):
             for meta, payload in items:
                 with self._lock:
                     master = self._m()
-                    master.expire()
                     replicas.append(master.begin_put(meta, self._client, if_absent=flags.if_absent, pin=flags.pin,
                                                      ephemeral=flags.ephemeral))
                 dst = self._region(replicas[-1])

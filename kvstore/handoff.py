@@ -219,7 +219,11 @@ class KVHandoff:
                 continue
             keys = request_keys(record["request_id"])
             if record["state"] == "published" and not store.exists(keys["meta"]):
-                record["state"] = "publishing" if store.exists(keys["claim"]) else "expired"
+                if store.exists(keys["claim"]):
+                    record["state"] = "publishing"
+                else:  # never committed (producer died) or gone at its TTL
+                    expired = time.time() - record["created"] >= record["ttl"]
+                    record["state"] = "expired" if expired else "aborted"
             record["age_s"] = round(time.time() - record["created"], 3)
             out.append(record)
         return out
@@ -237,12 +241,15 @@ class KVHandoff:
                 return
             if found == keys["cancel"]:
                 raise HandoffAbortedError(f"request {rid!r} was cancelled")
-            meta, cancel, claim = self.store.batch_exists([keys["meta"], keys["cancel"], keys["claim"]])
+            meta, cancel, claim, status = self.store.batch_exists(
+                [keys["meta"], keys["cancel"], keys["claim"], keys["status"]])
             if meta:
                 return
             if cancel:
                 raise HandoffAbortedError(f"request {rid!r} was cancelled")
-            if saw_claim and not claim:
+            # The producer holds the claim while it publishes; a claim (or the status it writes next) without
+            # it and without the meta means the producer died mid-publish.
+            if (saw_claim or status) and not claim:
                 raise HandoffAbortedError(f"the producer of request {rid!r} went away before publishing it")
             saw_claim = saw_claim or claim
 
@@ -293,7 +300,8 @@ class KVHandoff:
                   "created": meta.created if meta else time.time(), "bytes": meta.nbytes if meta else 0,
                   "chunks": len(meta.chunk_keys) if meta else 0, "num_tokens": meta.num_tokens if meta else 0,
                   "model_id": self.layout.model_id, "layout": self.layout.kind.value,
-                  "fingerprint": self.layout.fingerprint(), "producer": meta.producer if meta else ""}
+                  "fingerprint": self.layout.fingerprint(), "producer": meta.producer if meta else "",
+                  "ttl": meta.ttl if meta else 0.0}
         return msgpack.packb(record)
 
     def _block_tensor(self, block_ids: Any, kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
