@@ -54,24 +54,25 @@ class ServerConfig:
 
 
 class _Publisher:
-    """Master listener: mirrors visible versions into the shared-memory index and wakes waiters."""
+    """Master listener: forwards to the server's ``on_published`` / ``on_unpublished`` hooks."""
 
     def __init__(self, server: "Server"):
         self.server = server
 
     def published(self, replica: Replica) -> None:
-        meta = replica.meta
-        self.server.index.publish(meta.key, replica.id, replica.segment, replica.offset, meta.size,
-                                  replica.expires_at, meta.checksum)
-        for fut in self.server.waiters.pop(meta.key, ()):
-            if not fut.done():
-                fut.set_result(meta.key)
+        self.server.on_published(replica)
 
     def unpublished(self, replica: Replica) -> None:
-        self.server.index.unpublish(replica.key, replica.id)
+        self.server.on_unpublished(replica)
 
 
 class Server:
+    """The daemon. Extension points for subclasses (e.g. a cluster node): ``session_class``,
+    ``on_published`` / ``on_unpublished`` (called synchronously by the master on the loop), and
+    ``start`` / ``shutdown`` (call super)."""
+
+    session_class: type[Session] = Session
+
     def __init__(self, config: ServerConfig):
         self.config = config
         self.host_id = host_id()
@@ -144,7 +145,7 @@ class Server:
             conn.setblocking(False)
             tune(conn)
             peer = f"{ep}" if ep.scheme == "unix" else f"tcp://{addr[0]}:{addr[1]}"
-            session = Session(self, conn, peer)
+            session = self.session_class(self, conn, peer)
             self.sessions.add(session)
             self._spawn(session.run())
 
@@ -163,6 +164,7 @@ class Server:
         self._stopped.set()
 
     async def serve_forever(self) -> None:
+        """Run until ``request_stop`` (SIGTERM/SIGINT), then shut down gracefully."""
         await self._stopped.wait()
         await self.shutdown()
 
@@ -187,6 +189,19 @@ class Server:
         self._index_shm.close()
         self.segments.close()
         log.info("stopped")
+
+    # ---- master hooks -------------------------------------------------------------------------------
+    def on_published(self, replica: Replica) -> None:
+        """A version became visible: show it in the shared-memory index and wake waiters."""
+        meta = replica.meta
+        self.index.publish(meta.key, replica.id, replica.segment, replica.offset, meta.size, replica.expires_at,
+                           meta.checksum)
+        for fut in self.waiters.pop(meta.key, ()):
+            if not fut.done():
+                fut.set_result(meta.key)
+
+    def on_unpublished(self, replica: Replica) -> None:
+        self.index.unpublish(replica.key, replica.id)
 
     # ---- services for sessions ----------------------------------------------------------------------
     def choose_transport(self, requested: str, client_host: str, peer: str) -> str:
@@ -254,7 +269,7 @@ def _refuse_if_live(path: str) -> None:
     raise InvalidArgumentError(f"another daemon is already listening on unix://{path}")
 
 
-def run(config: ServerConfig) -> int:
+def run(config: ServerConfig, server_class: type[Server] = Server, **server_kwargs) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
     try:
         import uvloop
@@ -262,7 +277,7 @@ def run(config: ServerConfig) -> int:
         uvloop = None
 
     async def main() -> None:
-        server = Server(config)
+        server = server_class(config, **server_kwargs)
         await server.start()
         await server.serve_forever()
 

@@ -145,6 +145,13 @@ SCHEMA: dict[str, dict[str, Field]] = {
 }
 
 
+def register_op(name: str, fields: dict[str, Field]) -> None:
+    """Add an op to the schema (used by extensions such as the cluster node); names must be new."""
+    if name in SCHEMA:
+        raise ValueError(f"op {name!r} is already defined")
+    SCHEMA[name] = fields
+
+
 def validate(message: dict) -> tuple[str, int, dict]:
     """Check version, id, op and every field; returns (op, request id, clean fields).
 
