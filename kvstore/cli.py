@@ -106,6 +106,21 @@ def _rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _requests(args: argparse.Namespace) -> int:
+    from kvstore.handoff import KVHandoff
+
+    with _client(args) as store:
+        records = KVHandoff.requests(store)
+    if args.json:
+        print(json.dumps(records, indent=2, sort_keys=True))
+        return 0
+    print(f"{'request':<24} {'state':<11} {'bytes':>10} {'chunks':>6} {'tokens':>7} {'age s':>8}  layout")
+    for r in sorted(records, key=lambda r: r["created"]):
+        print(f"{r['request_id'][:24]:<24} {r['state']:<11} {format_size(r['bytes']):>10} {r['chunks']:>6} "
+              f"{r['num_tokens']:>7} {r['age_s']:>8.1f}  {r['model_id']} {r['layout']} {r['fingerprint'][:12]}")
+    return 0
+
+
 def _client_parser(sub, name: str, help_text: str, handler: Callable[[argparse.Namespace], int]):
     p = sub.add_parser(name, help=help_text, description=help_text)
     p.add_argument("--url", default=DEFAULT_URL, help="daemon address (default %(default)s; env KVSTORE_URL)")
@@ -151,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p = _client_parser(sub, "rm", "remove KEY (exit 1 if absent)", _rm)
     p.add_argument("key")
+    p = _client_parser(sub, "requests", "list prefill->decode hand-offs: published / publishing / fetched / "
+                       "cancelled / aborted / expired, bytes, chunks, layout, age", _requests)
+    p.add_argument("--json", action="store_true", help="print JSON")
     _add_optional_commands(sub)
     return parser
 
