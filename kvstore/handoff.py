@@ -75,7 +75,8 @@ class Ticket:
 class FetchResult:
     meta: RequestMeta
     nbytes: int
-    transfer_s: float
+    wait_s: float  # until the request was published
+    transfer_s: float  # from then until its pages were in the cache
 
 
 class KVHandoff:
@@ -163,13 +164,14 @@ class KVHandoff:
         ids = self._block_tensor(block_ids, kv_caches)
         started = time.perf_counter()
         self._await_published(rid, time.monotonic() + timeout, timeout)
+        published = time.perf_counter()
         meta = self._read_meta(rid)
         if meta is None:
             raise HandoffAbortedError(f"request {rid!r} disappeared (cancelled, expired or fetched by another worker)")
         self._check_meta(meta, len(ids), num_tokens)
         packed = self._read_chunks(meta)
         ops.scatter_pages(packed.to(ids.device), ids, kv_caches, layout=self.layout)
-        self.last_fetch = FetchResult(meta, meta.nbytes, time.perf_counter() - started)
+        self.last_fetch = FetchResult(meta, meta.nbytes, published - started, time.perf_counter() - published)
         self.store.put(request_keys(rid)["status"], self._status("fetched", meta), ttl=meta.ttl + self.status_ttl)
         self._drop(meta, keep_chunks=keep)
         return meta
