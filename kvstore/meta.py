@@ -7,7 +7,7 @@ checksum recorded at commit, producer, creation time, TTL and the caller's own s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgumentError, InvalidKeyError
 
@@ -96,8 +96,11 @@ class ObjectMeta:
     user: dict = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
-    def with_commit(self, checksum: int | None, version: int) -> "ObjectMeta":
-        return replace(self, checksum=checksum, version=version, created=time.time())
+    def with_commit(self, checksum: int | None, version: int, created: float | None = None) -> "ObjectMeta":
+        """This meta as committed (``dataclasses.replace`` is several times slower on this hot path)."""
+        return ObjectMeta(self.key, self.size, self.kind, self.dtype, self.shape, checksum, self.producer,
+                          time.time() if created is None else created, self.ttl, version, self.compression,
+                          self.user, self.schema)
 
     def to_wire(self) -> dict:
         return {

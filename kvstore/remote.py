@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import transports
@@ -76,7 +75,7 @@ class RemoteStore(KVStore):
     # ---- primitives ---------------------------------------------------------------------------------
     def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: PutFlags) -> ObjectMeta:
         reply = self._send_put(meta, payload, digest, flags, defer=False)
-        return replace(meta, checksum=digest(), version=reply["version"], created=reply["created"])
+        return meta.with_commit(digest(), reply["version"], reply["created"])
 
     def _send_put(self, meta: ObjectMeta, payload: Payload, digest: Digest, flags: PutFlags, defer: bool) -> dict:
         if meta.size > self.capacity:
@@ -104,7 +103,7 @@ class RemoteStore(KVStore):
                     except Exception:
                         pass  # already aborted by a failed commit_many, or the connection is gone
             raise
-        return [replace(meta, checksum=digest(), version=v, created=c)
+        return [meta.with_commit(digest(), v, c)
                 for (meta, _), digest, v, c in zip(items, digests, reply["versions"], reply["created"])]
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
