@@ -142,8 +142,8 @@ class KVHandoff:
         return meta
 
     def cancel(self, request_id: str) -> None:
-        """Withdraw the request: its objects are removed now and a waiting ``fetch`` raises
-        HandoffAbortedError."""
+        """Withdraw the request: its meta and request-scoped chunks are removed now (prefix-keyed chunks,
+        possibly shared, stay until their TTL) and a waiting ``fetch`` raises HandoffAbortedError."""
         rid = _check_request_id(request_id)
         keys = request_keys(rid)
         self.store.put(keys["cancel"], b"cancelled", ttl=self.status_ttl)
@@ -159,7 +159,8 @@ class KVHandoff:
         count, verify every chunk's checksum, and only then scatter it into ``kv_caches[block_ids]``.
 
         Raises LayoutMismatchError (cache untouched), HandoffTimeoutError, HandoffAbortedError. Afterwards
-        the request's objects are removed, or kept for prefix reuse with ``keep=True``."""
+        the request's meta is removed, and so are its request-scoped chunks unless ``keep=True``; chunks
+        keyed by token prefix stay for reuse until their TTL (see ``_drop``)."""
         rid = _check_request_id(request_id)
         ids = self._block_tensor(block_ids, kv_caches)
         started = time.perf_counter()
@@ -292,10 +293,15 @@ class KVHandoff:
         return packed
 
     def _drop(self, meta: RequestMeta, keep_chunks: bool) -> None:
+        """Remove the request's meta and its request-scoped chunks. Prefix-keyed chunks may be shared with
+        concurrent requests of the same prompt prefix, so they are never removed here: they stay as prefix
+        cache until their TTL (refreshed by every publish) or LRU eviction."""
         _quietly(self.store.remove, request_keys(meta.request_id)["meta"])
         if not keep_chunks:
+            own = f"hf/{meta.request_id}/"
             for key in meta.chunk_keys:
-                _quietly(self.store.remove, key)
+                if key.startswith(own):
+                    _quietly(self.store.remove, key)
 
     def _status(self, state: str, meta: RequestMeta | None, rid: str | None = None) -> bytes:
         record = {"request_id": meta.request_id if meta else rid, "state": state, "updated": time.time(),

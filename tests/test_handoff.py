@@ -59,9 +59,30 @@ def test_roundtrip_into_reordered_blocks(hstore):
         untouched = [b for b in range(12) if b not in (11, 3, 5, 1, 8)]
         assert torch.count_nonzero(c_dst[:, untouched]) == 0
     assert not hstore.exists(request_keys("r1")["meta"])
-    # only the small status record is left (it outlives the request for `kvstore requests`)
-    assert hstore.stats()["used_bytes"] == base + status_bytes(hstore, "r1")
+    # prefix-keyed chunks stay as prefix cache (another request may share them) until their TTL
+    assert h.lookup(tokens) == len(tokens)
     assert [r["state"] for r in KVHandoff.requests(hstore)] == ["fetched"]
+
+
+def test_request_scoped_chunks_released_after_fetch(hstore):
+    h = KVHandoff(hstore, LAYOUT, chunk_blocks=2)
+    base = hstore.stats()["used_bytes"]
+    h.publish("r2", child.caches(8), [1, 2, 3], num_tokens=3 * BS).wait()  # no token ids: request-scoped keys
+    h.fetch("r2", zeros(8), [4, 5, 6])
+    # only the small status record is left (it outlives the request for `kvstore requests`)
+    assert hstore.stats()["used_bytes"] == base + status_bytes(hstore, "r2")
+
+
+def test_concurrent_requests_sharing_a_prefix(hstore):
+    h = KVHandoff(hstore, LAYOUT, chunk_blocks=1)
+    shared = list(range(3 * BS))
+    src = child.caches(8, seed=11)
+    h.publish("a", src, [0, 1, 2, 3], num_tokens=4 * BS, token_ids=shared + [1] * BS).wait()
+    h.publish("b", src, [0, 1, 2, 4], num_tokens=4 * BS, token_ids=shared + [2] * BS).wait()
+    dst_a, dst_b = zeros(8), zeros(8)
+    h.fetch("a", dst_a, [7, 6, 5, 4])  # must not take away the chunks "b" shares with it
+    h.fetch("b", dst_b, [0, 1, 2, 3])
+    assert torch.equal(dst_b[0][:, [0, 1, 2, 3]], src[0][:, [0, 1, 2, 4]])
 
 
 def test_layout_mismatch_leaves_cache_untouched(hstore):

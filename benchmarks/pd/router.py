@@ -23,10 +23,12 @@ ENTRY_ROLES = (Policy.PREFILL_FIRST, Policy.CHUNKED, Policy.PREFILL_ONLY)
 
 class Router:
     def __init__(self, trace: Trace, pool: WorkerPool, roles: list[Policy], kv_bytes: Callable[[int], int],
-                 drain_timeout_s: float = 600.0, on_finish: Callable[[RequestRecord], None] | None = None):
+                 drain_timeout_s: float = 600.0, on_finish: Callable[[RequestRecord], None] | None = None,
+                 on_begin: Callable[[], None] | None = None):
         self.trace, self.pool, self.roles = trace, pool, roles
         self.drain_timeout_s = drain_timeout_s
         self.on_finish = on_finish or (lambda record: None)
+        self.on_begin = on_begin or (lambda: None)
         self.by_id = {r.id: r for r in trace.requests}
         self.records = {r.id: RequestRecord(r.id, r.klass, r.arrival_s, r.prompt_tokens, r.output_tokens,
                                             kv_bytes(r.prompt_tokens)) for r in trace.requests}
@@ -52,6 +54,7 @@ class Router:
     def _serve(self) -> None:
         self.t0 = time.monotonic()
         self.pool.begin(self.t0)
+        self.on_begin()
         pending = deque(self.trace.requests)
         deadline = self.trace.describe()["duration_s"] + self.drain_timeout_s
         while self.unfinished:

@@ -32,6 +32,9 @@ class StoreSpec:
     capacity: str = "2GiB"
     ttl_s: float = 60.0
     fetch_timeout_s: float = 10.0
+    # True: publish with the prompt's token ids, so chunks get chained prefix keys (shareable, lookup-able);
+    # False: request-scoped chunk keys. See the deployment's ``handoff_prefix_keys``.
+    prefix_keys: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.transport, Transport):
@@ -72,25 +75,19 @@ class KVTransfer:
 
     def publish(self, request: Request, cache: PagedKVCache, block_ids: list[int]) -> float:
         start = time.monotonic()
+        token_ids = request.prompt_ids if self.spec.prefix_keys else None
         ticket = self._handoff.publish(request.id, cache.layers, block_ids, num_tokens=request.num_prompt,
-                                       token_ids=request.prompt_ids, ttl=self.spec.ttl_s)
-        ticket.wait()
+                                       token_ids=token_ids, ttl=self.spec.ttl_s)
+        ticket.wait(timeout=self.spec.fetch_timeout_s)  # TimeoutError (an OSError): the request is re-prefilled
         return time.monotonic() - start
 
     def fetch(self, request: Request, cache: PagedKVCache, block_ids: list[int]) -> float:
-        from kvstore.errors import LayoutMismatchError
-
         start = time.monotonic()
-        meta = self._handoff.fetch(request.id, cache.layers, block_ids, timeout=self.spec.fetch_timeout_s)
-        got = getattr(meta, "num_tokens", request.num_prompt)
-        if got != request.num_prompt:  # the store checked geometry; the token count is ours to check
-            raise LayoutMismatchError(f"{request.id}: hand-off carries {got} tokens, the request has "
-                                      f"{request.num_prompt} prompt tokens")
+        self._handoff.fetch(request.id, cache.layers, block_ids, timeout=self.spec.fetch_timeout_s,
+                            num_tokens=request.num_prompt)
         return time.monotonic() - start
 
-    def cancel(self, request_id: str) -> None:
-        self._handoff.cancel(request_id)
-
     def close(self) -> None:
+        self._handoff.close()
         if self._owns_store:
             self._store.close()

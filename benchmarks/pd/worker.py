@@ -50,7 +50,8 @@ class WorkerSpec:
         store = None
         if self.store is not None:
             store = {"url": self.store.url, "transport": self.store.transport.value, "capacity": self.store.capacity,
-                     "ttl_s": self.store.ttl_s, "fetch_timeout_s": self.store.fetch_timeout_s}
+                     "ttl_s": self.store.ttl_s, "fetch_timeout_s": self.store.fetch_timeout_s,
+                     "prefix_keys": self.store.prefix_keys}
         model = {name: getattr(self.model, name) for name in ModelConfig.__dataclass_fields__}
         return {"index": self.index, "policy": self.policy.value, "model": model, "num_blocks": self.num_blocks,
                 "block_size": self.block_size, "token_budget": self.token_budget, "max_running": self.max_running,
@@ -79,6 +80,7 @@ class Worker:
         self.spec = spec
         torch.set_num_threads(spec.threads)
         self.t0 = time.monotonic()
+        self.cpu0 = time.process_time()
         self.model = LlamaModel(spec.model)
         if port is None and spec.policy in (Policy.PREFILL_ONLY, Policy.DECODE_ONLY):
             if spec.store is None:
@@ -95,6 +97,7 @@ class Worker:
 
     def start(self, t0: float) -> None:
         self.t0 = t0
+        self.cpu0 = time.process_time()
 
     def ready_info(self) -> dict:
         return {"worker": self.spec.index, "pid": os.getpid(), "role": self.spec.policy.value,
@@ -128,7 +131,7 @@ class Worker:
 
     def stats(self) -> dict:
         return {"worker": self.spec.index, "role": self.spec.policy.value, "timeline": self.timeline,
-                "cpu_s": round(time.process_time(), 3),
+                "cpu_s": round(time.process_time() - self.cpu0, 3),
                 "peak_blocks": self.engine.allocator.peak_used,
                 "peak_kv_bytes": self.engine.allocator.peak_used * self.spec.cache_spec.block_bytes}
 
@@ -145,7 +148,10 @@ class Worker:
         cache, alloc = self.engine.cache, self.engine.allocator
         rid = f"warmup-{os.getpid()}-{self.spec.index}"
         blocks = alloc.allocate(rid, cache.spec.blocks_for(33))
-        ids = torch.arange(32) % self.spec.model.vocab_size
+        # token ids unique to this process: hand-off chunk keys hash the tokens, and two workers warming up
+        # with the same ids would share (and drop) each other's chunks
+        gen = torch.Generator().manual_seed(os.getpid() * 1000 + self.spec.index)
+        ids = torch.randint(0, self.spec.model.vocab_size, (32,), generator=gen)
         self.model(ids, AttentionBatch.build([SeqChunk(blocks, 0, 32)], cache), cache)
         self.model(ids[:1], AttentionBatch.build([SeqChunk(blocks, 32, 1)], cache), cache)
         if self.port is not None:

@@ -1,0 +1,123 @@
+"""``python -m benchmarks.pd run ...``: serve one trace on one deployment and write its results."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from benchmarks.pd.deployment import Arch, DeploymentConfig, run
+from benchmarks.pd.model import MODEL_PRESETS
+from benchmarks.pd.trace import Trace, TraceFormat, TraceScaling, Workload, generate, load_trace
+from benchmarks.pd.transfer import Transport
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="serve one trace on one deployment")
+    p.add_argument("--arch", required=True, choices=[a.value for a in Arch])
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workload", choices=[w.value for w in Workload])
+    source.add_argument("--trace", type=Path, help="Mooncake .jsonl or Azure 2023 .csv trace file")
+    p.add_argument("--trace-format", choices=[f.value for f in TraceFormat], help="default: from the suffix")
+    p.add_argument("--num-requests", type=_positive_int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transport", choices=[t.value for t in Transport], default="auto")
+    p.add_argument("--handoff-keys", choices=["prefix", "request"], default="prefix",
+                   help="disaggregated: chunk keys chained over the prompt's tokens, or scoped to the request")
+    p.add_argument("--out", type=Path, required=True)
+    g = p.add_argument_group("trace scaling (all reported in summary.json)")
+    g.add_argument("--rate", type=_positive_float, help="Poisson workloads: requests/s (default per workload)")
+    g.add_argument("--length-scale", type=_positive_float, help="sets both --prompt-scale and --output-scale")
+    g.add_argument("--prompt-scale", type=_positive_float)
+    g.add_argument("--output-scale", type=_positive_float)
+    g.add_argument("--time-scale", type=_positive_float, default=1.0, help="multiplies arrival offsets")
+    g.add_argument("--max-prompt-tokens", type=_positive_int, help="explicit cap; capped requests are counted")
+    g.add_argument("--max-output-tokens", type=_positive_int, help="explicit cap; capped requests are counted")
+    e = p.add_argument_group("engine")
+    e.add_argument("--model", choices=sorted(MODEL_PRESETS), default="default")
+    e.add_argument("--workers", type=_positive_int, default=2, help="engine workers (equal in every arch)")
+    e.add_argument("--prefill-workers", type=_positive_int, default=1, help="disaggregated: prefill-only workers")
+    e.add_argument("--threads-per-worker", type=_positive_int, default=1)
+    e.add_argument("--chunk-budget", type=_positive_int, default=256, help="chunked: tokens per step")
+    e.add_argument("--prefill-batch-tokens", type=_positive_int, default=1024)
+    e.add_argument("--num-blocks", type=_positive_int, default=4096, help="KV blocks per worker")
+    e.add_argument("--block-size", type=_positive_int, default=16)
+    e.add_argument("--inline", action="store_true", help="all workers in this process, embedded store")
+    e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty())
+    return parser
+
+
+def _trace(args: argparse.Namespace, vocab_size: int) -> Trace:
+    prompt_scale = args.prompt_scale or args.length_scale or 1.0
+    output_scale = args.output_scale or args.length_scale or 1.0
+    scaling = TraceScaling(prompt_scale, output_scale, args.time_scale, args.max_prompt_tokens, args.max_output_tokens)
+    common = {"seed": args.seed, "vocab_size": vocab_size, "scaling": scaling}
+    if args.workload:
+        return generate(Workload(args.workload), args.num_requests, rate_rps=args.rate, **common)
+    if args.rate is not None:
+        raise ValueError("--rate applies to --workload only; use --time-scale for trace files")
+    fmt = TraceFormat(args.trace_format) if args.trace_format else None
+    return load_trace(args.trace, fmt=fmt, num_requests=args.num_requests, **common)
+
+
+def _config(args: argparse.Namespace) -> DeploymentConfig:
+    model = dataclasses.replace(MODEL_PRESETS[args.model], seed=args.seed)
+    return DeploymentConfig(
+        arch=Arch(args.arch), model=model, num_workers=args.workers, prefill_workers=args.prefill_workers,
+        threads_per_worker=args.threads_per_worker, num_blocks=args.num_blocks, block_size=args.block_size,
+        chunk_budget=args.chunk_budget, prefill_batch_tokens=args.prefill_batch_tokens,
+        transport=Transport(args.transport), inline=args.inline, handoff_prefix_keys=args.handoff_keys == "prefix",
+    )
+
+
+def _report(summary: dict, out: Path) -> str:
+    def ms(d: dict | None, key: str) -> str:
+        return "-" if d is None else f"{d[key] * 1000:.1f}"
+
+    t, req = summary["throughput"], summary["requests"]
+    lines = [
+        f"{summary['deployment']['arch']}: {req['completed']}/{req['total']} requests "
+        f"({req['lost']} lost, {req['recomputed']} recomputed) in {t['duration_s']:.2f} s -> {out}",
+        f"  throughput     {t.get('prompt_tokens_per_s', 0):.0f} prompt tok/s, {t.get('output_tokens_per_s', 0):.1f} "
+        f"output tok/s",
+    ]
+    for name in ("ttft_s", "tpot_s", "prefill_queue_s", "decode_queue_s"):
+        d = summary[name]
+        lines.append(f"  {name[:-2]:<15}p50 {ms(d, 'p50')} ms  p90 {ms(d, 'p90')} ms  p99 {ms(d, 'p99')} ms")
+    tr = summary["trace"]
+    lines.append(f"  trace          {tr['source']}: scale prompt x{tr['prompt_scale']}, output x{tr['output_scale']}, "
+                 f"time x{tr['time_scale']}; {tr['capped_requests']} requests capped")
+    x = summary["transfer"]
+    lines.append(f"  kv moved       {x['kv_bytes_transferred'] / 2**20:.1f} MiB in {x['handoffs']} hand-offs, "
+                 f"transfer p50 {ms(x['transfer_s'], 'p50')} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = _config(args)
+        trace = _trace(args, config.model.vocab_size)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    summary = run(config, trace, args.out, progress=args.progress)
+    print(_report(summary, args.out))
+    return 0

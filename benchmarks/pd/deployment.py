@@ -1,0 +1,185 @@
+"""The three deployments and one run of a trace through one of them.
+
+Equal compute: every architecture gets ``num_workers`` engine workers of ``threads_per_worker`` torch threads
+(default 2 x 1). Collocated and chunked run that many full replicas, the router splitting requests between
+them; disaggregated runs ``prefill_workers`` prefill-only and the rest decode-only workers, plus a
+``kvstore serve`` daemon for the hand-off (its CPU time is reported, not counted as engine compute).
+
+Outputs in ``out_dir``: ``requests.jsonl`` (one :class:`RequestRecord` per line), ``summary.json``, and
+``timeline.jsonl`` (one line per engine step of every worker, for interference and timeline plots).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from benchmarks.pd.model import ModelConfig
+from benchmarks.pd.pool import InlinePool, ProcessPool
+from benchmarks.pd.router import Router
+from benchmarks.pd.scheduler import Policy
+from benchmarks.pd.store_daemon import StoreDaemon
+from benchmarks.pd.summary import summarize
+from benchmarks.pd.trace import Trace
+from benchmarks.pd.transfer import StoreSpec, Transport
+from benchmarks.pd.worker import WorkerSpec
+
+TIMELINE_FIELDS = ("start_s", "end_s", "prefill_tokens", "decode_tokens", "prefill_seqs", "running", "blocks_used",
+                   "transfer_s")
+
+
+class Arch(Enum):
+    COLOCATED = "colocated"
+    CHUNKED = "chunked"
+    DISAGGREGATED = "disaggregated"
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentConfig:
+    arch: Arch
+    model: ModelConfig = field(default_factory=ModelConfig)
+    num_workers: int = 2
+    prefill_workers: int = 1  # disaggregated only; the other workers decode
+    threads_per_worker: int = 1
+    num_blocks: int = 4096  # per worker
+    block_size: int = 16
+    chunk_budget: int = 256  # chunked: tokens per step (decodes + prompt chunks)
+    prefill_batch_tokens: int = 1024  # prefill-first / prefill-only: prompt tokens batched into one step
+    max_running: int = 64
+    transport: Transport = Transport.AUTO
+    inline: bool = False  # all workers in this process (stepped in turn), embedded store; for tests
+    store_capacity: str = "2GiB"
+    fetch_timeout_s: float = 10.0
+    handoff_ttl_s: float = 60.0
+    # publish hand-offs under prefix keys (chained hashes of the prompt's tokens) or request-scoped keys.
+    # Prefix keys are what prefix reuse needs, but with kvstore.handoff as of this writing a fetch removes
+    # chunks that a concurrent request with the same prefix still needs (it then aborts and is recomputed).
+    handoff_prefix_keys: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.arch, Arch):
+            raise TypeError(f"arch must be an Arch, got {self.arch!r}")
+        for name in ("num_workers", "threads_per_worker", "num_blocks", "block_size", "chunk_budget",
+                     "prefill_batch_tokens", "max_running"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"DeploymentConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.arch is Arch.DISAGGREGATED and not 1 <= self.prefill_workers < self.num_workers:
+            raise ValueError(f"disaggregated needs 1 <= prefill_workers < num_workers, got "
+                             f"{self.prefill_workers} of {self.num_workers}")
+
+    def policies(self) -> list[Policy]:
+        if self.arch is Arch.DISAGGREGATED:
+            decode = self.num_workers - self.prefill_workers
+            return [Policy.PREFILL_ONLY] * self.prefill_workers + [Policy.DECODE_ONLY] * decode
+        return [Policy.PREFILL_FIRST if self.arch is Arch.COLOCATED else Policy.CHUNKED] * self.num_workers
+
+    def worker_specs(self, store: StoreSpec | None) -> list[WorkerSpec]:
+        specs = []
+        for index, policy in enumerate(self.policies()):
+            budget = self.chunk_budget if policy is Policy.CHUNKED else self.prefill_batch_tokens
+            specs.append(WorkerSpec(index, policy, self.model, self.num_blocks, self.block_size, budget,
+                                    self.max_running, self.threads_per_worker, store))
+        return specs
+
+    @property
+    def max_request_tokens(self) -> int:
+        return min(self.model.max_position, self.num_blocks * self.block_size)
+
+    def describe(self) -> dict:
+        m = self.model
+        return {
+            "arch": self.arch.value, "inline": self.inline,
+            "workers": [{"index": i, "role": p.value, "threads": self.threads_per_worker, "process": not self.inline}
+                        for i, p in enumerate(self.policies())],
+            "engine_threads_total": self.num_workers * self.threads_per_worker,
+            "chunk_budget": self.chunk_budget, "prefill_batch_tokens": self.prefill_batch_tokens,
+            "max_running": self.max_running, "num_blocks_per_worker": self.num_blocks, "block_size": self.block_size,
+            "transport": self.transport.value if self.arch is Arch.DISAGGREGATED else None,
+            "store": None if self.arch is not Arch.DISAGGREGATED else ("embedded" if self.inline else "daemon"),
+            "handoff_keys": None if self.arch is not Arch.DISAGGREGATED else (
+                "prefix" if self.handoff_prefix_keys else "request"),
+            "model": {name: getattr(m, name) for name in ModelConfig.__dataclass_fields__},
+            "kv_bytes_per_token": m.kv_bytes_per_token,
+        }
+
+
+def _store(config: DeploymentConfig, stack: ExitStack,
+           out_dir: Path) -> tuple[StoreSpec | None, StoreDaemon | None]:
+    """Disaggregated: the hand-off store (embedded when inline, else a daemon started for this run)."""
+    if config.arch is not Arch.DISAGGREGATED:
+        return None, None
+    common = {"capacity": config.store_capacity, "ttl_s": config.handoff_ttl_s,
+              "fetch_timeout_s": config.fetch_timeout_s, "prefix_keys": config.handoff_prefix_keys}
+    if config.inline:
+        return StoreSpec(url=None, **common), None
+    daemon = stack.enter_context(StoreDaemon(config.store_capacity, log_path=out_dir / "kvstore.log"))
+    return StoreSpec(url=daemon.url, transport=config.transport, **common), daemon
+
+
+def run(config: DeploymentConfig, trace: Trace, out_dir: str | Path, *, progress: bool = False) -> dict:
+    """Serve ``trace`` on ``config``'s deployment in real time; write the outputs; return the summary."""
+    out_dir = Path(out_dir)
+    trace.check_fits(config.max_request_tokens)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache = config.worker_specs(None)[0].cache_spec
+    cpu0: dict[str, float | None] = {}
+    with ExitStack() as stack:
+        store, daemon = _store(config, stack, out_dir)
+        pool = InlinePool(config.worker_specs(store)) if config.inline else ProcessPool(config.worker_specs(store))
+        bar = stack.enter_context(_progress(len(trace.requests), config.arch.value, progress))
+
+        def on_begin() -> None:
+            cpu0.update(router=time.process_time(), daemon=daemon.cpu_seconds() if daemon else None)
+
+        router = Router(trace, pool, config.policies(), lambda n: cache.blocks_for(n) * cache.block_bytes,
+                        on_finish=lambda record: bar.update(1), on_begin=on_begin)
+        records, stats = router.run()
+        cpu = {"router": time.process_time() - cpu0["router"]}
+        daemon_end = daemon.cpu_seconds() if daemon is not None else None
+        if daemon_end is not None and cpu0["daemon"] is not None:
+            cpu["store_daemon"] = daemon_end - cpu0["daemon"]
+    summary = summarize(records, worker_info=router.worker_info, worker_stats=stats, deployment=config.describe(),
+                        trace=trace.describe())
+    summary["cpu_s"] = {"workers": {str(s["worker"]): s["cpu_s"] for s in stats},
+                        **{k: round(v, 3) for k, v in cpu.items()},
+                        "note": "process CPU seconds from the run's start to its end (start-up excluded); "
+                                "inline workers share the router's process"}
+    if daemon is not None:
+        summary["store_daemon_exit_code"] = daemon.exit_code
+    _write_outputs(out_dir, records, summary, stats)
+    return summary
+
+
+def _write_outputs(out_dir: Path, records: list, summary: dict, stats: list[dict]) -> None:
+    with open(out_dir / "requests.jsonl", "w") as f:
+        for record in records:
+            f.write(json.dumps(record.to_json()) + "\n")
+    with open(out_dir / "timeline.jsonl", "w") as f:
+        for s in stats:
+            for step in s["timeline"]:
+                f.write(json.dumps({"worker": s["worker"], "role": s["role"], **dict(zip(TIMELINE_FIELDS, step))})
+                        + "\n")
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _progress(total: int, label: str, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="req", leave=False)
