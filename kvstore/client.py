@@ -135,8 +135,32 @@ class KVStore(ABC):
             raise InvalidArgumentError(f"batch_get_into got {len(keys)} keys but {len(outs)} buffers")
         return [self.get_into(key, out) for key, out in zip(keys, outs)]
 
+    def exists(self, key: str) -> bool:
+        return self._exists(validate_key(key))
+
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return [self.exists(key) for key in keys]
+        return self._batch_exists([validate_key(k) for k in keys])
+
+    def evict(self, key: str) -> bool:
+        """Drop the object as the cache would; False if absent. Leased or pinned: ObjectBusyError."""
+        return self._evict(validate_key(key))
+
+    def remove(self, key: str) -> bool:
+        """Delete the object; False if absent. Leased: ObjectBusyError."""
+        return self._remove(validate_key(key))
+
+    def wait(self, keys: Sequence[str], timeout: float) -> str | None:
+        """Block until one of ``keys`` is committed (notified, not polled); returns it, or None at timeout."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 3600:
+            raise InvalidArgumentError(f"timeout must be between 0 and 3600 seconds, got {timeout!r}")
+        return self._wait([validate_key(k) for k in keys], float(timeout))
+
+    def inspect(self, key: str) -> dict:
+        """Size, dtype/shape, checksum, state, leases, age, TTL, segment and offset of one object."""
+        return self._inspect(validate_key(key))
+
+    def _batch_exists(self, keys: list[str]) -> list[bool]:
+        return [self._exists(key) for key in keys]
 
     @contextlib.contextmanager
     def lease(self, key: str) -> Iterator[ObjectMeta]:
@@ -181,25 +205,22 @@ class KVStore(ABC):
     def _release(self, handle: Any) -> None: ...
 
     @abstractmethod
-    def exists(self, key: str) -> bool: ...
+    def _exists(self, key: str) -> bool: ...
 
     @abstractmethod
-    def evict(self, key: str) -> bool:
-        """Drop the object as the cache would; False if absent. Leased or pinned: ObjectBusyError."""
+    def _evict(self, key: str) -> bool: ...
 
     @abstractmethod
-    def remove(self, key: str) -> bool:
-        """Delete the object; False if absent. Leased: ObjectBusyError."""
+    def _remove(self, key: str) -> bool: ...
 
     @abstractmethod
-    def wait(self, keys: Sequence[str], timeout: float) -> str | None:
-        """Block until one of ``keys`` is committed (notified, not polled); returns it, or None at timeout."""
+    def _wait(self, keys: list[str], timeout: float) -> str | None: ...
 
     @abstractmethod
     def keys(self, prefix: str = "") -> list[str]: ...
 
     @abstractmethod
-    def inspect(self, key: str) -> dict: ...
+    def _inspect(self, key: str) -> dict: ...
 
     @abstractmethod
     def stats(self) -> dict:
@@ -211,10 +232,16 @@ class KVStore(ABC):
 
 def connect(url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
             client_name: str = "") -> KVStore:
-    """Connect to a ``kvstore serve`` daemon at ``unix:///path`` or ``tcp://host:port``.
+    """Connect to a ``kvstore serve`` daemon at ``unix:///path`` or ``tcp://host:port``, or to a cluster of
+    them at ``kvcluster://[:PASSWORD@]REDIS_HOST:PORT/DB`` (``kvclusters://`` for Redis over TLS; options
+    ``?node=NAME&placement=local|balanced&replicas=N``, see kvstore.cluster.store).
 
     ``transport``: "auto" (shm when the daemon shares this host, else tcp), "shm" or "tcp". Every call is
     bounded by ``timeout`` seconds; past it, StoreTimeoutError (a ConnectionError)."""
+    if isinstance(url, str) and url.startswith(("kvcluster://", "kvclusters://")):
+        from kvstore.cluster.store import ClusterStore
+
+        return ClusterStore(url, timeout=timeout, transport=transport, token=token, client_name=client_name)
     from kvstore.remote import RemoteStore
 
     return RemoteStore(url, timeout=timeout, transport=transport, token=token, client_name=client_name)

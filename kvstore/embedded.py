@@ -113,19 +113,19 @@ class EmbeddedStore(KVStore):
                 self._master.release(handle)
 
     # ---- metadata -----------------------------------------------------------------------------------
-    def exists(self, key: str) -> bool:
+    def _exists(self, key: str) -> bool:
         with self._lock:
             return self._m().exists(key)
 
-    def evict(self, key: str) -> bool:
+    def _evict(self, key: str) -> bool:
         with self._lock:
             return self._m().evict(key)
 
-    def remove(self, key: str) -> bool:
+    def _remove(self, key: str) -> bool:
         with self._lock:
             return self._m().remove(key)
 
-    def wait(self, keys: Sequence[str], timeout: float) -> str | None:
+    def _wait(self, keys: Sequence[str], timeout: float) -> str | None:
         deadline = time.monotonic() + timeout
         with self._lock:
             while True:
@@ -141,7 +141,7 @@ class EmbeddedStore(KVStore):
         with self._lock:
             return self._m().keys(prefix)
 
-    def inspect(self, key: str) -> dict:
+    def _inspect(self, key: str) -> dict:
         with self._lock:
             return describe_replica(self._m().lookup(key), self._m().clock())
 

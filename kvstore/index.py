@@ -180,12 +180,15 @@ class IndexReader:
                 return None
             base, slot = found
             seq, version, segment, size, expires, checksum = slot[0], slot[3], slot[4], slot[7], slot[8], slot[9]
-            if seq & 1:
-                continue
+            if seq & 1 or SEQ.unpack_from(self.buf, base)[0] != seq:
+                continue  # fields may be torn: read again before acting on them
             if expires and time.monotonic() >= expires:
                 return None
+            try:
+                src = self._region(segment, slot[6], size)
+            except Exception:
+                continue  # a torn offset/size slipped through; the re-read settles it
             dst = out(size)
-            src = self._region(segment, slot[6], size)
             dst[:size] = src
             src.release()
             if SEQ.unpack_from(self.buf, base)[0] == seq and HEADER.unpack_from(self.buf, 0)[3] == table_seq:

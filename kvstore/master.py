@@ -263,10 +263,12 @@ class Master:
         self._client(client).leases.add(lease.id)
         return lease
 
-    def release(self, lease_id: int) -> None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            raise LeaseError(f"no lease {lease_id} (already released or revoked)")
+    def release(self, lease_id: int, client: int | None = None) -> None:
+        """Release a lease; with ``client`` given, only that client's own lease."""
+        lease = self._leases.get(lease_id)
+        if lease is None or (client is not None and lease.client != client):
+            raise LeaseError(f"no lease {lease_id} held by this client (already released or revoked)")
+        del self._leases[lease_id]
         client = self._clients.get(lease.client)
         if client is not None:
             client.leases.discard(lease_id)

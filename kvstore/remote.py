@@ -31,6 +31,9 @@ class RemoteStore(KVStore):
                  client_name: str = ""):
         self.endpoint = Endpoint.parse(url)
         self.timeout = timeout
+        self._token = token
+        self._waiter: Connection | None = None  # wait() blocks on its own connection
+        self._waiter_lock = threading.Lock()
         self._conn = Connection(self.endpoint, timeout)
         self._index: IndexReader | None = None
         self._index_shm: SharedMemory | None = None
@@ -155,26 +158,38 @@ class RemoteStore(KVStore):
             self._conn.call({"op": "release", "lease": handle})
 
     # ---- metadata -----------------------------------------------------------------------------------
-    def exists(self, key: str) -> bool:
+    def _exists(self, key: str) -> bool:
         return self._call("exists", key=key)
 
-    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+    def _batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self._call("batch_exists", keys=list(keys))
 
-    def evict(self, key: str) -> bool:
+    def _evict(self, key: str) -> bool:
         return self._call("evict", key=key)
 
-    def remove(self, key: str) -> bool:
+    def _remove(self, key: str) -> bool:
         return self._call("remove", key=key)
 
-    def wait(self, keys: Sequence[str], timeout: float) -> str | None:
-        return self._conn.call({"op": "wait", "keys": list(keys), "timeout": timeout},
-                               timeout=timeout + self.timeout).get("value")
+    def _wait(self, keys: Sequence[str], timeout: float) -> str | None:
+        # A wait may block for its whole timeout: it gets a connection of its own (opened on first use), so
+        # it neither holds up this client's other calls nor starves its heartbeat.
+        with self._waiter_lock:
+            if self._waiter is None or self._waiter.closed:
+                waiter = Connection(self.endpoint, self.timeout)
+                try:
+                    waiter.call({"op": "hello", "client": f"{self.producer}/wait", "token": self._token,
+                                 "transport": "tcp", "host": host_id(), "pid": os.getpid()})
+                except BaseException:
+                    waiter.close()
+                    raise
+                self._waiter = waiter
+            return self._waiter.call({"op": "wait", "keys": list(keys), "timeout": timeout},
+                                     timeout=timeout + self.timeout).get("value")
 
     def keys(self, prefix: str = "") -> list[str]:
         return self._call("ls", prefix=prefix)
 
-    def inspect(self, key: str) -> dict:
+    def _inspect(self, key: str) -> dict:
         info = self._call("inspect", key=key)
         info["client_transport"] = self.transport
         return info
@@ -192,6 +207,8 @@ class RemoteStore(KVStore):
             return
         self._stop.set()
         self._conn.close()
+        if self._waiter is not None:
+            self._waiter.close()
         self._data.close()
         if self._index_shm is not None:
             self._index = None

@@ -15,7 +15,7 @@ import threading
 from typing import Callable
 
 from kvstore import wire
-from kvstore.errors import ProtocolError, StoreConnectionError, StoreTimeoutError, error_from_wire
+from kvstore.errors import KVStoreError, ProtocolError, StoreConnectionError, StoreTimeoutError, error_from_wire
 from kvstore.url import Endpoint
 from transports.tcp import tune
 
@@ -102,6 +102,8 @@ class Connection:
             if reply.get("stream"):
                 self._receive_stream(sock, reply, into)
             return reply
+        except KVStoreError:
+            raise  # the daemon's typed answer (some are OSError subclasses): not a broken connection
         except socket.timeout:
             self._close_locked()
             raise StoreTimeoutError(f"daemon at {self.endpoint} did not answer {request.get('op')!r} "

@@ -87,19 +87,18 @@ class Server:
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        self._bind_all()  # first: a daemon that cannot listen must not leave memory behind
         for name in reap_orphans():
             log.info("removed shared memory %s left by a dead daemon", name)
-        self.segments = SegmentSet([cfg.capacity])
-        slots = shm_index.slots_for_capacity(cfg.capacity)
-        self._index_shm = SharedMemory.create(f"{self.segments.stem}-index", shm_index.table_bytes(slots))
-        self.index = shm_index.IndexWriter(self._index_shm.buf, slots)
-        self.master = Master([cfg.capacity], high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
-                             policy=LRUPolicy(self.index.atime), listener=_Publisher(self))
-        self.metrics = Metrics(self.stats if cfg.metrics_port is not None else None)
-        if cfg.metrics_port is not None:
-            self.metrics.serve(cfg.metrics_port)
-        for ep in cfg.endpoints:
-            self._listeners.append(self._bind(ep))
+        try:
+            self._create_memory()
+            self.metrics = Metrics(self.stats if cfg.metrics_port is not None else None)
+            if cfg.metrics_port is not None:
+                self.metrics.serve(cfg.metrics_port)
+        except BaseException:
+            self._close_listeners()
+            self._release_memory()
+            raise
         loop = asyncio.get_running_loop()
         for lsock, ep in zip(self._listeners, cfg.endpoints):
             self._spawn(self._accept(lsock, ep))
@@ -108,6 +107,39 @@ class Server:
             loop.add_signal_handler(sig, self.request_stop)
         log.info("serving %s, capacity %d bytes, segments %s", ", ".join(map(str, cfg.endpoints)), cfg.capacity,
                  [s.name for s in self.segments.segments])
+
+    def _bind_all(self) -> None:
+        try:
+            for ep in self.config.endpoints:
+                self._listeners.append(self._bind(ep))
+        except BaseException:
+            self._close_listeners()
+            raise
+
+    def _close_listeners(self) -> None:
+        for lsock, ep in zip(self._listeners, self.config.endpoints):
+            lsock.close()
+            if ep.scheme == "unix":
+                _remove_stale_socket(ep.path)
+        self._listeners.clear()
+
+    def _release_memory(self) -> None:
+        index_shm = getattr(self, "_index_shm", None)
+        if index_shm is not None:
+            index_shm.unlink()
+            index_shm.close()
+        segments = getattr(self, "segments", None)
+        if segments is not None:
+            segments.close()
+
+    def _create_memory(self) -> None:
+        cfg = self.config
+        self.segments = SegmentSet([cfg.capacity])
+        slots = shm_index.slots_for_capacity(cfg.capacity)
+        self._index_shm = SharedMemory.create(f"{self.segments.stem}-index", shm_index.table_bytes(slots))
+        self.index = shm_index.IndexWriter(self._index_shm.buf, slots)
+        self.master = Master([cfg.capacity], high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
+                             policy=LRUPolicy(self.index.atime), listener=_Publisher(self))
 
     def _bind(self, ep: Endpoint) -> socket.socket:
         if ep.scheme == "unix":
@@ -155,7 +187,7 @@ class Server:
             self.master.expire()
             silent = set(self.master.silent_clients(self.config.heartbeat_timeout))
             for session in list(self.sessions):
-                if session.client in silent:
+                if session.client in silent and not session.busy:  # a long wait() is not silence
                     log.warning("client %s silent for over %.0f s: dropping it", session.peer,
                                 self.config.heartbeat_timeout)
                     session.close()
@@ -185,9 +217,7 @@ class Server:
         for ep in self.config.endpoints:
             if ep.scheme == "unix":
                 _remove_stale_socket(ep.path)
-        self._index_shm.unlink()
-        self._index_shm.close()
-        self.segments.close()
+        self._release_memory()
         log.info("stopped")
 
     # ---- master hooks -------------------------------------------------------------------------------

@@ -101,13 +101,14 @@ class Session:
 
     async def _send(self, message: dict, payload: memoryview | None = None) -> None:
         frame = wire.encode(message)
-        if payload is not None and len(payload) <= _INLINE_REPLY:
-            frame += payload
-            payload = None
+        if payload is not None:
+            self.server.metrics.bytes_out(len(payload))
+            if len(payload) <= _INLINE_REPLY:
+                frame += payload
+                payload = None
         await self.loop.sock_sendall(self.sock, frame)
         if payload is not None:
             await self.loop.sock_sendall(self.sock, payload)
-            self.server.metrics.bytes_out(len(payload))
 
     # ---- loop ---------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -215,13 +216,14 @@ class Session:
         if meta.key != f["key"] or meta.size != f["size"]:
             raise InvalidArgumentError(f"put of {f['key']!r}: meta names key {meta.key!r} size {meta.size}, "
                                        f"request says size {f['size']}")
+        if f["mode"] == "region":
+            self._require_shm()  # before anything is reserved
         if f["checksum"] is not None:
             meta = replace(meta, checksum=f["checksum"])
         master = self.server.master
         replica = master.begin_put(meta, self.client, if_absent=f["if_absent"], pin=f["pin"],
                                    ephemeral=f["ephemeral"])
         if f["mode"] == "region":
-            self._require_shm()
             return self._ok(rid, put_id=replica.id, segment=replica.segment, offset=replica.offset)
         try:
             region = self.server.segments[replica.segment].view(replica.offset, meta.size)
@@ -264,10 +266,11 @@ class Session:
 
     async def op_get(self, rid: int, f: dict) -> dict | None:
         master = self.server.master
+        if f["mode"] == "region":
+            self._require_shm()  # before the lease is taken
         lease = master.lease(f["key"], self.client)
         replica = lease.replica
         if f["mode"] == "region":
-            self._require_shm()
             return self._ok(rid, meta=replica.meta.to_wire(), segment=replica.segment, offset=replica.offset,
                             size=replica.size, lease=lease.id)
         try:
@@ -280,7 +283,7 @@ class Session:
         return None
 
     async def op_release(self, rid: int, f: dict) -> dict:
-        self.server.master.release(f["lease"])
+        self.server.master.release(f["lease"], client=self.client)
         return self._ok(rid)
 
     async def op_lease(self, rid: int, f: dict) -> dict:

@@ -142,7 +142,9 @@ class KVObject(np.ndarray):
             dtype = getattr(torch, meta.dtype)
             return raw.view(dtype).reshape(meta.shape)
         if meta.kind == "numpy" and meta.dtype:
-            return torch.from_numpy(self.numpy())
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(self.numpy())
         return raw
 
     def __repr__(self) -> str:

@@ -1,0 +1,116 @@
+"""A kvstore client run as a separate process by the fault tests; it reports progress on stdout.
+
+Usage: client_child.py MODE URL TRANSPORT KEY [SIZE]
+
+  put-region  begin a region-mode put of SIZE bytes over shm, copy half of it, print READY, then hang
+              (the test SIGKILLs it between begin and commit)
+  put-stream  send a stream-mode put of SIZE bytes over a raw socket, send half of the payload, print
+              READY, then hang (the daemon is left waiting for the rest)
+  lease       hold ``store.lease(KEY)``, print READY, hang
+  view        hold a zero-copy ``store.get(KEY, copy=False)`` (a lease), print READY, hang
+  put         put SIZE bytes of the key-derived pattern under KEY, print DONE, exit
+  ephemeral   put SIZE bytes under KEY with ephemeral=True, print READY, hang
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+
+import kvstore
+from kvstore import wire
+from kvstore.meta import ObjectMeta
+from kvstore.url import Endpoint, host_id
+
+
+def pattern(key: str, size: int) -> bytes:
+    """Deterministic bytes derived from the key (the parent regenerates them to compare)."""
+    seed = int.from_bytes(key.encode()[:8].ljust(8, b"\0"), "little") ^ size
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def hang() -> None:
+    while True:
+        time.sleep(60)
+
+
+def put_region(url: str, key: str, size: int) -> None:
+    import transports.shm as shm
+
+    def half_copy(dst: memoryview, src: memoryview) -> None:
+        half = len(src) // 2
+        dst[:half] = src[:half]
+        print("READY", flush=True)
+        hang()
+
+    shm.copy = half_copy  # the real client path, stopped between the copy and the commit
+    store = kvstore.connect(url, transport="shm")
+    store.put(key, pattern(key, size))
+
+
+def put_stream(url: str, key: str, size: int) -> None:
+    ep = Endpoint.parse(url)
+    family = socket.AF_UNIX if ep.scheme == "unix" else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.connect(ep.path if ep.scheme == "unix" else (ep.host, ep.port))
+    sock.sendall(wire.encode({"v": wire.VERSION, "id": 1, "op": "hello", "client": "stalled-writer",
+                              "transport": "tcp", "host": host_id(), "pid": os.getpid()}))
+    _read_reply(sock)
+    meta = ObjectMeta(key=key, size=size)
+    sock.sendall(wire.encode({"v": wire.VERSION, "id": 2, "op": "put", "key": key, "size": size,
+                              "meta": meta.to_wire(), "mode": "stream"}))
+    sock.sendall(pattern(key, size)[:size // 2])
+    print("READY", flush=True)
+    hang()
+
+
+def _read_reply(sock: socket.socket) -> dict:
+    header = _recv_exact(sock, 4)
+    return wire.decode(_recv_exact(sock, wire.frame_length(header)))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("daemon closed")
+        buf += chunk
+    return buf
+
+
+def main() -> None:
+    mode, url, transport, key = sys.argv[1:5]
+    size = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+    if mode == "put-region":
+        put_region(url, key, size)
+    elif mode == "put-stream":
+        put_stream(url, key, size)
+    elif mode in ("lease", "view"):
+        store = kvstore.connect(url, transport=transport)
+        if mode == "lease":
+            with store.lease(key):
+                print("READY", flush=True)
+                hang()
+        obj = store.get(key, copy=False)
+        print("READY", len(obj), flush=True)
+        hang()
+    elif mode == "ephemeral":
+        store = kvstore.connect(url, transport=transport)
+        store.put(key, pattern(key, size), ephemeral=True)
+        print("READY", flush=True)
+        hang()
+    elif mode == "put":
+        with kvstore.connect(url, transport=transport) as store:
+            store.put(key, pattern(key, size))
+        print("DONE", flush=True)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main()
