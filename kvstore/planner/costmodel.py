@@ -109,27 +109,74 @@ class CostModel:
         return cls(**data)
 
 
+def decode_span_s(a: float, c: float, ctx0: float, batch: int, k: int) -> float:
+    """Duration of ``k`` decode steps: step i costs ``a + c * (ctx0 + i * batch)``."""
+    return k * a + c * (k * ctx0 + batch * k * (k - 1) / 2)
+
+
+def steps_to_cover(a: float, c: float, ctx0: float, batch: int, dt: float) -> int:
+    """Smallest k >= 1 whose span reaches ``dt`` (the boundary at or after ``dt``)."""
+    first = a + c * ctx0
+    if first <= 0:
+        raise ValueError(f"decode step time must be > 0, got {first!r} (check the cost model)")
+    if dt <= first:
+        return 1
+    half = c * batch / 2
+    if half <= 0:
+        k = math.ceil(dt / first)
+    else:
+        lin = first - half
+        k = math.ceil((-lin + math.sqrt(lin * lin + 4 * half * dt)) / (2 * half))
+    k = max(1, k)
+    while k > 1 and decode_span_s(a, c, ctx0, batch, k - 1) >= dt:
+        k -= 1
+    while decode_span_s(a, c, ctx0, batch, k) < dt:
+        k += 1
+    return k
+
+
 @dataclass(frozen=True, slots=True)
 class TransferModel:
-    """KV transfer time = ``latency_s`` + bytes / ``bytes_per_s`` over one worker's link."""
+    """KV hand-off time = ``latency_s`` + bytes / ``bytes_per_s``.
+
+    ``publish_share`` = 0 (default): a one-sided pull over the link (NIXL, Mooncake Transfer Engine); the
+    prefill worker keeps the KV until the copy is done and neither worker's compute waits for it.
+    ``publish_share`` > 0: a hand-off staged through a store, as the small engine does: the prefill worker
+    spends that share of the time publishing inside its step loop (its next step waits), then the KV
+    lives in the store; the decode worker spends the rest fetching inside one of its steps.
+    """
 
     name: str
     latency_s: float
     bytes_per_s: float
+    publish_share: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.bytes_per_s > 0:
             raise ValueError(f"TransferModel.bytes_per_s must be > 0, got {self.bytes_per_s!r}")
         if self.latency_s < 0:
             raise ValueError(f"TransferModel.latency_s must be >= 0, got {self.latency_s!r}")
+        if not 0 <= self.publish_share <= 1:
+            raise ValueError(f"TransferModel.publish_share must be in [0, 1], got {self.publish_share!r}")
+
+    @property
+    def staged(self) -> bool:
+        return self.publish_share > 0
 
     def time_s(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
 
+    def publish_s(self, nbytes: float) -> float:
+        return self.publish_share * self.time_s(nbytes)
+
+    def fetch_s(self, nbytes: float) -> float:
+        return (1 - self.publish_share) * self.time_s(nbytes)
+
     @classmethod
     def from_link(cls, link: LinkSpec, tp: int = 1) -> "TransferModel":
         lanes = tp if link.per_gpu else 1
-        return cls(name=link.name, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s * lanes)
+        return cls(name=link.name, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s * lanes,
+                   publish_share=link.publish_share)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -97,9 +97,9 @@ def prompt_crossover(planner: Planner, prefill_workers: int, scales=PROMPT_SCALE
     flips = [(a, b) for a, b in zip(points, points[1:]) if a.pays != b.pays]
     link = planner.transfer.name
     if not flips:
-        verb = "pays" if points[0].pays else "does not pay"
+        verb = "pays at every" if points[0].pays else "does not pay at any"
         return Crossover("prompt scale", tuple(points), None, points[0].pays if points[0].pays else None,
-                         f"over {link}, disaggregation {verb} at every prompt scale x{scales[0]:g}..x{scales[-1]:g}")
+                         f"over {link}, disaggregation {verb} prompt scale x{scales[0]:g}..x{scales[-1]:g}")
     a, b = flips[0]
     more = "" if len(flips) == 1 else f" (and flips {len(flips) - 1} more time(s), see the sweep)"
     side = "above" if b.pays else "below"

@@ -17,8 +17,10 @@ NAN = math.nan
 @dataclass(frozen=True, slots=True)
 class RequestResult:
     """One request's fate, times in seconds on the trace clock. ``tpot_s`` is None for one-token outputs;
-    ``transfer_s`` includes waiting for the link; ``decode_queue_s`` is the time from prefilled to decoding
-    (waiting for a decode worker with KV room, and for the next step boundary)."""
+    ``transfer_s`` is the hand-off's part of TTFT (publish + fetch when staged through a store; waiting
+    for a busy link + the copy when direct), ``link_wait_s`` the waiting part; ``decode_queue_s`` the
+    time from prefilled to decoding (waiting for a decode worker with KV room, and for the next step
+    boundary); ``stall_s`` the part of its decoding time spent on prefill work sharing its worker."""
 
     id: int
     arrival_s: float
@@ -31,8 +33,10 @@ class RequestResult:
     prefill_end_s: float = NAN
     decode_queue_s: float = NAN
     transfer_s: float = 0.0
+    link_wait_s: float = 0.0
     ttft_s: float = NAN
     tpot_s: float | None = None
+    stall_s: float = 0.0  # time its decoding was held up by prefill work on the same worker
     finish_s: float = NAN
     kv_bytes: int = 0
     transferred: bool = False
@@ -64,7 +68,13 @@ class SLO:
 
 @dataclass(frozen=True, slots=True)
 class Metrics:
-    """Aggregates of one simulated deployment. Times in seconds, rates per second, memory in bytes."""
+    """Aggregates of one simulated deployment. Times in seconds, rates per second, memory in bytes.
+
+    ``itl_*`` are percentiles over every inter-token gap (token-weighted; where prefill stalls show up as
+    "generation stalls"), ``tpot_*`` over requests. ``prefill_utilization`` is the busy share of the
+    workers that prefill (all workers when colocated or chunked), ``decode_utilization`` that of the
+    decode-only workers (NaN unless disaggregated). ``weight_duplication`` is weight bytes resident
+    across all workers over one copy."""
 
     label: str
     arch: str
@@ -96,7 +106,7 @@ class Metrics:
     weight_duplication: float
     weight_bytes_resident: float
     peak_kv_bytes: float
-    interference_per_token_s: float
+    tpot_p90_without_stalls: float
     interference_share_of_tpot: float
     prefill_utilization: float
     decode_utilization: float
@@ -146,9 +156,9 @@ def summarize(result: "SimResult", slo: SLO) -> Metrics:
     ttft = [r.ttft_s for r in done]
     tpot = [r.tpot_s for r in done if r.tpot_s is not None]
     moved = [r for r in done if r.transferred]
-    decode_tokens = sum(r.output_tokens - 1 for r in done)
-    interference = result.stall_token_s / decode_tokens if decode_tokens else 0.0
-    mean_tpot = float(np.mean(tpot)) if tpot else NAN
+    decoding = [r for r in done if r.tpot_s is not None]
+    shares = [r.stall_s / (r.tpot_s * (r.output_tokens - 1)) for r in decoding if r.tpot_s > 0]
+    clean = [r.tpot_s - r.stall_s / (r.output_tokens - 1) for r in decoding]
     met = sum(r.meets(slo) for r in result.requests)
     attainment = met / len(result.requests)
     front = dep.prefill_workers if dep.arch.value == "disaggregated" else dep.workers
@@ -176,8 +186,8 @@ def summarize(result: "SimResult", slo: SLO) -> Metrics:
         weight_duplication=float(dep.workers),
         weight_bytes_resident=dep.workers * result.cost.weight_bytes,
         peak_kv_bytes=float(result.peak_kv_tokens * result.cost.kv_bytes_per_token),
-        interference_per_token_s=interference,
-        interference_share_of_tpot=(interference / mean_tpot) if tpot and mean_tpot > 0 else 0.0,
+        tpot_p90_without_stalls=_pct(clean, 90),
+        interference_share_of_tpot=float(np.mean(shares)) if shares else 0.0,
         prefill_utilization=(result.prefill_busy_s / (front * duration)) if duration > 0 else NAN,
         decode_utilization=(result.decode_busy_s / (back * duration)) if duration > 0 and back else NAN,
         slo_attainment=attainment,

@@ -25,20 +25,20 @@ MODELS: dict[str, ModelSpec] = {
     # 8.03B parameters (model card).
     "llama-3-8b": ModelSpec(
         name="llama-3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
-        params=8.03e9, active_params=8.03e9, max_context=8192,
+        params=8.03e9, active_params=8.03e9, ffn_dim=14336, vocab=128256, max_context=8192,
         source=_HF.format("meta-llama/Meta-Llama-3-8B")),
     # hidden_size 8192, intermediate_size 28672, num_hidden_layers 80, num_attention_heads 64,
     # num_key_value_heads 8, vocab_size 128256, max_position_embeddings 8192. 70.6B parameters (model card).
     "llama-3-70b": ModelSpec(
         name="llama-3-70b", layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128,
-        params=70.55e9, active_params=70.55e9, max_context=8192,
+        params=70.55e9, active_params=70.55e9, ffn_dim=28672, vocab=128256, max_context=8192,
         source=_HF.format("meta-llama/Meta-Llama-3-70B")),
     # hidden_size 3584, intermediate_size 18944, num_hidden_layers 28, num_attention_heads 28,
     # num_key_value_heads 4 (head_dim 3584/28 = 128), vocab_size 152064, max_position_embeddings 131072.
     # 7.61B parameters (model card).
     "qwen2.5-7b": ModelSpec(
         name="qwen2.5-7b", layers=28, hidden=3584, heads=28, kv_heads=4, head_dim=128,
-        params=7.61e9, active_params=7.61e9, max_context=131072,
+        params=7.61e9, active_params=7.61e9, ffn_dim=18944, vocab=152064, max_context=131072,
         source=_HF.format("Qwen/Qwen2.5-7B")),
     # hidden_size 7168, num_hidden_layers 61, num_attention_heads 128, kv_lora_rank 512,
     # qk_rope_head_dim 64, qk_nope_head_dim 128 (qk 192), v_head_dim 128, n_routed_experts 256,
@@ -50,14 +50,16 @@ MODELS: dict[str, ModelSpec] = {
         name="deepseek-v3", layers=61, hidden=7168, heads=128, kv_heads=128, head_dim=128,
         params=671e9, active_params=37e9, weight_dtype_bytes=1.0, kv_dtype_bytes=2.0,
         qk_head_dim=192, v_head_dim=128, mla_latent_dim=512, mla_rope_dim=64,
-        experts=256, experts_per_token=8, expert_params=58 * 256 * 3 * 7168 * 2048, max_context=163840,
+        experts=256, experts_per_token=8, expert_params=58 * 256 * 3 * 7168 * 2048, ffn_dim=18432,
+        vocab=129280, max_context=163840,
         source=_HF.format("deepseek-ai/DeepSeek-V3")),
-    # The default model of benchmarks/pd (a small Llama-style decoder in fp32 on CPU). Geometry is a
-    # placeholder until the engine's summary.json records it; calibration reads it from there.
+    # The default model of benchmarks/pd (benchmarks/pd/model.py ModelConfig): a Llama-style decoder in
+    # fp32 on CPU, vocab 4096, hidden 256, 4 layers, 8 heads / 2 KV heads of 32, MLP 704, untied
+    # embeddings: 4.92M parameters (19,670,016 weight bytes, as its runs' summary.json reports).
     "pd-tiny": ModelSpec(
         name="pd-tiny", layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32,
-        params=20e6, active_params=20e6, weight_dtype_bytes=4.0, kv_dtype_bytes=4.0, max_context=4096,
-        source="benchmarks/pd default engine (placeholder geometry; calibrate to replace)"),
+        params=4_917_504, active_params=4_917_504, weight_dtype_bytes=4.0, kv_dtype_bytes=4.0,
+        ffn_dim=704, vocab=4096, max_context=8192, source="benchmarks/pd/model.py (ModelConfig defaults)"),
 }
 
 GPUS: dict[str, GPUSpec] = {
@@ -96,20 +98,25 @@ LINKS: dict[str, LinkSpec] = {
     # 10GBASE (IEEE 802.3ae): 10 Gb/s, one port per node, TCP. Latency: assumed 100 us (TCP round trip).
     "10gbe": LinkSpec(name="10gbe", bytes_per_s=10e9 / 8, latency_s=100e-6, per_gpu=False,
                       source="IEEE 802.3ae 10 Gb/s Ethernet"),
-    # Same-host shared memory through the kvstore daemon (benchmarks/pd); placeholder until calibrated.
-    "shm": LinkSpec(name="shm", bytes_per_s=4e9, latency_s=200e-6, per_gpu=False,
-                    source="assumed; replaced by calibration against benchmarks/pd disaggregated runs"),
+    # The small engine's hand-off through a same-host kvstore daemon: publish inside the prefill worker's
+    # step, fetch inside the decode worker's (staged). Rough figures from its runs here (~5 ms per
+    # hand-off of a few hundred KB, about half of it publishing); refit with --calibrate.
+    "shm": LinkSpec(name="shm", bytes_per_s=1e9, latency_s=5e-3, per_gpu=False, publish_share=0.5,
+                    source="benchmarks/pd runs on this machine (rough; kvstore plan --calibrate refits it)"),
 }
 
 # Cost models that come from measurement rather than from datasheets, keyed by (model, gpu).
+# pd-tiny on cpu-2core: round figures from quiet benchmarks/pd runs on this 2-core machine (one torch
+# thread per worker): a decode step of 1-4 sequences takes ~4-6 ms, a 150-token prefill ~35 ms. The
+# machine is shared, so step costs vary 2-3x between runs: refit with --calibrate and plan with
+# --cost-model. KV room: 4096 blocks x 16 tokens per worker (the engine's defaults).
 CALIBRATED: dict[tuple[str, str], CostModel] = {
     ("pd-tiny", "cpu-2core"): CostModel(
-        name="pd-tiny@cpu-2core (uncalibrated placeholder)",
-        base_s=1e-3, weight_s=3e-3, token_s=2.5e-4, seq_s=6e-4, pair_s=4e-8, ctx_s=2e-7,
+        name="pd-tiny@cpu-2core (rough, from quiet runs)",
+        base_s=3e-3, weight_s=0.0, token_s=2e-4, seq_s=6e-4, pair_s=2e-8, ctx_s=2e-7,
         kv_bytes_per_token=MODELS["pd-tiny"].kv_bytes_per_token,
         weight_bytes=MODELS["pd-tiny"].weight_bytes,
-        kv_capacity_tokens=int(0.9 * GPUS["cpu-2core"].memory_bytes - MODELS["pd-tiny"].weight_bytes)
-        // MODELS["pd-tiny"].kv_bytes_per_token),
+        kv_capacity_tokens=4096 * 16),
 }
 
 

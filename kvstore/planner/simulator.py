@@ -1,9 +1,10 @@
 """Discrete-event simulator: replays a trace through one deployment under a cost model.
 
 Time advances from event to event (arrivals, step ends, transfer completions); workers are the state
-machines of :mod:`kvstore.planner.workers`. Routing: a new request goes to the prefill-capable worker
-with the longest cached prefix (when prefix caching is on), then the fewest requests in flight
-(colocated, chunked) or the fewest queued prompt tokens (disaggregated prefill pool). In the
+machines of :mod:`kvstore.planner.roles`. Routing: a new request goes to the prefill-capable worker
+with the longest cached prefix (when prefix caching is on), then the least outstanding work (tokens of
+the requests routed to it and not yet done: prompt + output, prompt for a prefill worker, output for a
+decode worker), as the small engine's router does. In the
 disaggregated deployment a prefilled request waits for a decode worker with KV room (the decode queue),
 then its KV crosses the link; the link of each worker carries one transfer at a time; the first token is
 delivered when the KV has arrived (the decode worker streams the response).
@@ -21,8 +22,8 @@ from kvstore.planner.costmodel import CostModel, TransferModel
 from kvstore.planner.deployment import Arch, Deployment
 from kvstore.planner.metrics import GapHistogram, RequestResult
 from kvstore.planner.trace import Trace
-from kvstore.planner.workers import (ChunkedWorker, ColocatedWorker, DecodeWorker, PrefillWorker, SimRequest,
-                                     Worker)
+from kvstore.planner.roles import ChunkedWorker, ColocatedWorker, DecodeWorker, PrefillWorker
+from kvstore.planner.worker import SimRequest, Worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +36,6 @@ class SimResult:
     trace_name: str
     requests: tuple[RequestResult, ...]
     peak_kv_tokens: int
-    stall_token_s: float  # decode-token-seconds spent waiting on prefills sharing the step (interference)
     prefill_busy_s: float  # summed over prefill-capable workers
     decode_busy_s: float  # summed over decode-only workers (disaggregated)
     kv_bytes_transferred: int
@@ -120,16 +120,12 @@ class Simulator:
         if self._rejects(req):
             req.rejected = True
             return
-        disagg = self.deployment.arch is Arch.DISAGGREGATED
 
         def key(w: Worker) -> tuple:
             cached = w.cache.match(req.spec.prefix_ids) if w.cache is not None else 0
-            load = sum(r.prompt for r in w.waiting) + w.busy if disagg else w.load
-            return (-cached, load, w.id)
+            return (-cached, w.outstanding, w.id)
 
-        worker = min(self.front, key=key)
-        worker.waiting.append(req)
-        worker.poke(now)
+        min(self.front, key=key).enqueue(req, now)
 
     # -- disaggregated hand-off -----------------------------------------------------------------------
     def on_prefilled(self, req: SimRequest, now: float) -> None:
@@ -147,17 +143,22 @@ class Simulator:
             if not free:
                 return
             self._decode_queue.popleft()
-            dst = min(free, key=lambda w: (w.active, w.id))
+            dst = min(free, key=lambda w: (w.outstanding, w.id))
             dst.reserved += need
-            dst.incoming += 1
-            src = req.src
+            dst.outstanding += dst.routing_cost(req)
             nbytes = req.prompt * self.cost.kv_bytes_per_token
+            req.t_dispatch = now
+            self._bytes_moved += nbytes
+            self.kv_delta(req.prompt)  # room taken on the decode worker
+            if self.transfer.staged:
+                dst.arrive(req, now)  # it fetches from the store at its next step
+                continue
+            src = req.src
             start = max(now, src.nic_free_s, dst.nic_free_s)
             end = start + self.transfer.time_s(nbytes)
             src.nic_free_s = dst.nic_free_s = end
-            req.t_dispatch = now
-            self._bytes_moved += nbytes
-            self.kv_delta(req.prompt)
+            req.t_xfer_start = start
+            dst.incoming += 1
             self.at(end, self._transfer_done, req, dst)
 
     def _transfer_done(self, now: float, req: SimRequest, dst: Worker) -> None:
@@ -180,7 +181,6 @@ class Simulator:
         return SimResult(
             deployment=self.deployment, cost=self.cost, transfer=self.transfer, trace_name=self.trace.name,
             requests=results, peak_kv_tokens=self._peak_kv,
-            stall_token_s=sum(w.stall_token_s for w in self.front),
             prefill_busy_s=sum(w.busy_s for w in self.front),
             decode_busy_s=sum(w.busy_s for w in self.back),
             kv_bytes_transferred=self._bytes_moved, gaps=self.gaps)
@@ -192,17 +192,27 @@ def _request_result(r: SimRequest, kv_bytes_per_token: int) -> RequestResult:
         return RequestResult(id=spec.id, arrival_s=spec.arrival_s, prompt_tokens=r.prompt,
                              output_tokens=r.output, rejected=True)
     disagg = not math.isnan(r.t_dispatch)
-    join_wait = 0.0 if math.isnan(r.t_join) else r.t_join - r.t_first
-    decode_queue = join_wait + ((r.t_dispatch - r.t_ready) if disagg else 0.0)
+    joined = r.t_first if math.isnan(r.t_join) else r.t_join
+    decode_queue = joined - r.t_first  # waiting for the next step boundary
+    transfer = link_wait = 0.0
+    if disagg:
+        # ready -> dispatched: a decode worker with room; dispatched -> transfer start: the link is busy
+        # (direct) or the decode worker's step boundary (staged, counted as decode queue like the engine)
+        link_wait = r.t_xfer_start - r.t_dispatch
+        staged = r.publish_s > 0
+        decode_queue += r.t_dispatch - r.t_ready + (link_wait if staged else 0.0)
+        link_wait = 0.0 if staged else link_wait
+        transfer = r.publish_s + (r.t_transfer_end - r.t_xfer_start) + link_wait
     return RequestResult(
         id=spec.id, arrival_s=spec.arrival_s, prompt_tokens=r.prompt, output_tokens=r.output,
         cached_tokens=r.cached,
         prefill_queue_s=r.t_prefill_start - spec.arrival_s,
         prefill_start_s=r.t_prefill_start, prefill_end_s=r.t_prefill_end,
         decode_queue_s=decode_queue,
-        transfer_s=(r.t_transfer_end - r.t_dispatch) if disagg else 0.0,
+        transfer_s=transfer, link_wait_s=link_wait,
         ttft_s=r.t_first - spec.arrival_s,
         tpot_s=(r.t_last - r.t_first) / (r.output - 1) if r.output > 1 else None,
+        stall_s=r.stall,
         finish_s=r.t_last,
         kv_bytes=r.prompt * kv_bytes_per_token,
         transferred=disagg,

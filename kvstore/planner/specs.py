@@ -45,6 +45,8 @@ class ModelSpec:
     experts: int = 0
     experts_per_token: int = 0
     expert_params: float = 0.0
+    ffn_dim: int = 0  # dense MLP width (config intermediate_size); for cross-checking params only
+    vocab: int = 0
     max_context: int = 8192
     source: str = ""
 
@@ -124,10 +126,13 @@ class LinkSpec:
     bytes_per_s: float
     latency_s: float
     per_gpu: bool = True
+    publish_share: float = 0.0  # > 0: hand-off staged through a store (see costmodel.TransferModel)
     source: str = ""
 
     def __post_init__(self) -> None:
         _positive(f"LinkSpec({self.name})", bytes_per_s=self.bytes_per_s)
+        if not 0 <= self.publish_share <= 1:
+            raise ValueError(f"LinkSpec({self.name}).publish_share must be in [0, 1], got {self.publish_share!r}")
         if self.latency_s < 0:
             raise ValueError(f"LinkSpec({self.name}).latency_s must be >= 0, got {self.latency_s!r}")
 

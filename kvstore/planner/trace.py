@@ -208,4 +208,4 @@ def poisson(workload: Workload, rate: float, num_requests: int, seed: int = 0, s
     outputs = np.maximum(1, np.round(lognormal(workload.output_mean))).astype(int)
     reqs = tuple(TraceRequest(i, float(a), int(p), int(o))
                  for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs)))
-    return Trace(name=f"poisson-{workload.name}@{rate:g}rps", requests=reqs)
+    return Trace(name=f"poisson-{workload.name}@{rate:.3g}rps", requests=reqs)

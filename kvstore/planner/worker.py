@@ -1,9 +1,11 @@
-"""Worker state machines of the simulator: one engine (a group of ``tp`` GPUs) each.
+"""The simulator's worker: one engine (a group of ``tp`` GPUs), the state machine shared by every role
+(:mod:`kvstore.planner.roles`).
 
 Every worker owns a prefill queue, a decode batch and a KV budget. Runs of pure decode steps are
 simulated as one *span* (k steps at once, with the context growing by the batch size each step), ended
 early at the next step boundary when new work arrives (:meth:`Worker.poke`), so a simulation costs
-O(events), not O(steps). Prefill and mixed steps are simulated one at a time.
+O(events), not O(steps). Prefill steps are simulated one at a time; consecutive chunked steps that
+spend the whole budget on one prompt are planned together (see ChunkedWorker).
 
 Memory is reserved at admission for the whole request (prompt + output: the simulator knows the output
 length, so it never has to preempt), and released when the request finishes or its KV leaves.
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from typing import TYPE_CHECKING
 
-from kvstore.planner.costmodel import prefill_pairs
+from kvstore.planner.costmodel import decode_span_s, steps_to_cover
+from kvstore.planner.prefixcache import PrefixCache
 
 if TYPE_CHECKING:
     from kvstore.planner.simulator import Simulator
@@ -26,76 +29,25 @@ if TYPE_CHECKING:
 class SimRequest:
     """Mutable per-request state while simulating (results are frozen into RequestResult afterwards)."""
 
-    __slots__ = ("spec", "cached", "prefilled", "t_prefill_start", "t_prefill_end", "t_ready", "t_dispatch",
-                 "t_transfer_end", "t_first", "t_join", "t_last", "finish_step", "src", "tokens", "rejected")
+    __slots__ = ("spec", "prompt", "output", "cached", "prefilled", "t_prefill_start", "t_prefill_end", "t_ready",
+                 "t_dispatch", "t_xfer_start", "t_transfer_end", "publish_s", "t_first", "t_join", "t_last",
+                 "finish_step", "src", "tokens", "rejected", "stall0", "stall")
 
     def __init__(self, spec: "TraceRequest"):
         self.spec = spec
+        self.prompt = spec.prompt_tokens
+        self.output = spec.output_tokens
         self.cached = 0
         self.prefilled = 0
         self.t_prefill_start = self.t_prefill_end = self.t_ready = math.nan
-        self.t_dispatch = self.t_transfer_end = self.t_first = self.t_join = self.t_last = math.nan
+        self.t_dispatch = self.t_xfer_start = self.t_transfer_end = math.nan
+        self.t_first = self.t_join = self.t_last = math.nan
+        self.publish_s = 0.0
         self.finish_step = 0
         self.src: Worker | None = None
         self.tokens: list[float] | None = None
         self.rejected = False
-
-    @property
-    def prompt(self) -> int:
-        return self.spec.prompt_tokens
-
-    @property
-    def output(self) -> int:
-        return self.spec.output_tokens
-
-
-class PrefixCache:
-    """LRU set of prefix-block ids held by one worker."""
-
-    def __init__(self, capacity_blocks: int):
-        self.capacity = max(0, capacity_blocks)
-        self._blocks: OrderedDict[int, None] = OrderedDict()
-
-    def match(self, ids: tuple[int, ...]) -> int:
-        n = 0
-        for block in ids:
-            if block not in self._blocks:
-                break
-            n += 1
-        return n
-
-    def insert(self, ids: tuple[int, ...]) -> None:
-        for block in ids:
-            self._blocks[block] = None
-            self._blocks.move_to_end(block)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
-
-
-def decode_span_s(a: float, c: float, ctx0: float, batch: int, k: int) -> float:
-    """Duration of ``k`` decode steps: step i costs ``a + c * (ctx0 + i * batch)``."""
-    return k * a + c * (k * ctx0 + batch * k * (k - 1) / 2)
-
-
-def steps_to_cover(a: float, c: float, ctx0: float, batch: int, dt: float) -> int:
-    """Smallest k >= 1 whose span reaches ``dt`` (the boundary at or after ``dt``)."""
-    first = a + c * ctx0
-    if first <= 0:
-        raise ValueError(f"decode step time must be > 0, got {first!r} (check the cost model)")
-    if dt <= first:
-        return 1
-    half = c * batch / 2
-    if half <= 0:
-        k = math.ceil(dt / first)
-    else:
-        lin = first - half
-        k = math.ceil((-lin + math.sqrt(lin * lin + 4 * half * dt)) / (2 * half))
-    k = max(1, k)
-    while k > 1 and decode_span_s(a, c, ctx0, batch, k - 1) >= dt:
-        k -= 1
-    while decode_span_s(a, c, ctx0, batch, k) < dt:
-        k += 1
-    return k
+        self.stall0 = self.stall = 0.0  # worker stall clock at join; stall seen while decoding
 
 
 class Worker:
@@ -109,16 +61,19 @@ class Worker:
         self.capacity = capacity_tokens
         self.reserved = 0
         self.waiting: deque[SimRequest] = deque()
+        self.queued_tokens = 0  # prompt tokens in ``waiting``
+        self.outstanding = 0  # tokens of work routed here and not yet done (the router's load measure)
         self.pending: list[SimRequest] = []
         self.running: dict[int, SimRequest] = {}
         self._finishes: list[tuple[int, int, SimRequest]] = []
         self.steps = 0
         self.ctx = 0
         self.busy = False
+        self._ending = False  # inside a step-end handler: the plan follows it, pokes wait
         self.epoch = 0
         self._activity: tuple = ()
         self.end_s = 0.0
-        self.stall_token_s = 0.0
+        self.stall_clock = 0.0  # total time this worker's decodes were held up by prefill work
         self.busy_s = 0.0
         self.nic_free_s = 0.0
         self.last_emit_s = 0.0  # time of this worker's last decode step boundary
@@ -141,6 +96,8 @@ class Worker:
     def poke(self, now: float) -> None:
         """New work may be runnable: start a step if idle, or end the current decode span at its next
         step boundary so the next plan sees the work."""
+        if self._ending:
+            return
         if not self.busy:
             self._plan(now)
             return
@@ -167,10 +124,12 @@ class Worker:
     def _on_step_end(self, now: float, epoch: int) -> None:
         if epoch != self.epoch:
             return  # superseded by a shortened span
-        activity, self._activity = self._activity, ("ending",)
-        getattr(self, "_end_" + activity[0])(now, *activity[1:])
-        self._activity, self.busy = (), False
-        self._plan(now)
+        activity, self._activity = self._activity, ()
+        self.busy, self._ending = False, True
+        getattr(self, "_end_" + activity[0])(now, *activity[1:])  # may start a follow-up activity
+        self._ending = False
+        if not self.busy:
+            self._plan(now)
 
     def _plan(self, now: float) -> None:
         raise NotImplementedError
@@ -180,6 +139,7 @@ class Worker:
         for req in self.pending:
             req.t_join = now
             req.finish_step = self.steps + req.output - 1
+            req.stall0 = self.stall_clock
             self.running[req.spec.id] = req
             self.ctx += req.prompt + 1
             self._fresh.append(req)
@@ -230,6 +190,8 @@ class Worker:
 
     def finish(self, req: SimRequest, now: float) -> None:
         req.t_last = now
+        req.stall = self.stall_clock - req.stall0 if req.output > 1 else 0.0
+        self.outstanding -= self.routing_cost(req)
         self.release(req.prompt + req.output)
         self.sim.kv_delta(-(req.prompt + req.output))
         self.sim.on_finish(req, self, now)
@@ -251,8 +213,19 @@ class Worker:
         req = self.waiting[0]
         return req if self.fits(self._admit_tokens(req)) else None
 
+    def routing_cost(self, req: SimRequest) -> int:
+        """Tokens of work ``req`` brings to this worker, for least-outstanding-work routing."""
+        return req.prompt + req.output
+
+    def enqueue(self, req: SimRequest, now: float) -> None:
+        self.waiting.append(req)
+        self.queued_tokens += req.prompt
+        self.outstanding += self.routing_cost(req)
+        self.poke(now)
+
     def _admit(self, req: SimRequest) -> None:
         self.waiting.popleft()
+        self.queued_tokens -= req.prompt
         self.reserved += self._admit_tokens(req)
         req.cached = self._cached_tokens(req)
         req.prefilled = req.cached
@@ -289,128 +262,3 @@ class Worker:
             self.finish(req, now)
         else:
             self.pending.append(req)
-
-
-class ColocatedWorker(Worker):
-    """Prefill-first: waiting prompts run (batched) before the next decode step, pausing the decodes."""
-
-    def _plan(self, now: float) -> None:
-        self._join_pending(now)
-        batch = self._take_prefill_batch(self.sim.deployment.max_prefill_tokens)
-        if batch:
-            cost = self.sim.cost
-            new = [r.prompt - r.cached for r in batch]
-            pairs = sum(prefill_pairs(n, r.cached) for n, r in zip(new, batch))
-            duration = cost.step_s(prefill_tokens=sum(new), prefill_pair_count=pairs)
-            for req in batch:
-                req.t_prefill_start = now
-            self.stall_token_s += duration * len(self.running)
-            self._start(now, duration, ("prefill", now, batch))
-        elif self.running:
-            self._start_decode_span(now)
-
-    def _end_prefill(self, now: float, t0: float, batch: list[SimRequest]) -> None:
-        self.busy_s += now - t0
-        for req in batch:
-            self.sim.kv_delta(req.prompt)
-            self._prefilled(req, now)
-            self._first_token(req, now)
-
-
-class ChunkedWorker(Worker):
-    """Sarathi-style: each step spends a token budget on every running decode, then on prompt chunks."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.prefilling: list[SimRequest] = []
-
-    @property
-    def load(self) -> int:
-        return super().load + len(self.prefilling)
-
-    def _plan(self, now: float) -> None:
-        self._join_pending(now)
-        budget = self.sim.deployment.chunk_tokens - len(self.running)
-        chunks = []
-        for req in self.prefilling:
-            if budget <= 0:
-                break
-            n = min(req.prompt - req.prefilled, budget)
-            chunks.append((req, n))
-            budget -= n
-        while budget > 0 and (req := self._admissible()) is not None:
-            self._admit(req)
-            req.t_prefill_start = now
-            self.prefilling.append(req)
-            n = min(req.prompt - req.prefilled, budget)
-            chunks.append((req, n))
-            budget -= n
-        if chunks:
-            cost = self.sim.cost
-            tokens = sum(n for _, n in chunks)
-            pairs = sum(prefill_pairs(n, req.prefilled) for req, n in chunks)
-            batch = len(self.running)
-            duration = cost.step_s(batch, self.ctx, tokens, pairs)
-            if batch:
-                self.stall_token_s += (duration - cost.decode_s(batch, self.ctx)) * batch
-            self._start(now, duration, ("mixed", now, chunks))
-        elif self.running:
-            self._start_decode_span(now)
-
-    def _end_mixed(self, now: float, t0: float, chunks: list[tuple[SimRequest, int]]) -> None:
-        self.busy_s += now - t0
-        if self.sim.record_tokens:
-            for req in self.running.values():
-                req.tokens.append(now)
-        if self.running:
-            self._count_gaps(now)
-            self.last_emit_s = now
-            self._advance(now, 1)
-        for req, n in chunks:
-            self.sim.kv_delta(n + (req.cached if req.prefilled == req.cached else 0))
-            req.prefilled += n
-            if req.prefilled >= req.prompt:
-                self.prefilling.remove(req)
-                self._prefilled(req, now)
-                self._first_token(req, now)
-
-
-class PrefillWorker(Worker):
-    """Disaggregated prefill: batched prompts only; the KV stays here until its transfer completes."""
-
-    def _admit_tokens(self, req: SimRequest) -> int:
-        return req.prompt
-
-    def _plan(self, now: float) -> None:
-        batch = self._take_prefill_batch(self.sim.deployment.max_prefill_tokens)
-        if batch:
-            new = [r.prompt - r.cached for r in batch]
-            pairs = sum(prefill_pairs(n, r.cached) for n, r in zip(new, batch))
-            for req in batch:
-                req.t_prefill_start = now
-                req.src = self
-            self._start(now, self.sim.cost.step_s(prefill_tokens=sum(new), prefill_pair_count=pairs),
-                        ("prefill", now, batch))
-
-    def _end_prefill(self, now: float, t0: float, batch: list[SimRequest]) -> None:
-        self.busy_s += now - t0
-        for req in batch:
-            self.sim.kv_delta(req.prompt)
-            self._prefilled(req, now)
-            self.sim.on_prefilled(req, now)
-
-
-class DecodeWorker(Worker):
-    """Disaggregated decode: requests join at a step boundary once their KV has arrived."""
-
-    does_prefill = False
-
-    def _plan(self, now: float) -> None:
-        self._join_pending(now)
-        if self.running:
-            self._start_decode_span(now)
-
-    def arrive(self, req: SimRequest, now: float) -> None:
-        """KV of ``req`` has landed here; its first token is delivered now."""
-        self._first_token(req, now)
-        self.poke(now)

@@ -1,0 +1,3 @@
+from kvstore.planner.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""The planner's answer: which architecture meets the SLO with the fewest GPUs, and why, in the
+simulated terms of the issue: interference (decode stalls while prefills run) against transfer cost
+(share of TTFT, bytes moved)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstore.planner.deployment import Arch
+from kvstore.planner.metrics import Metrics
+from kvstore.planner.plan import Evaluation, Planner, rank
+
+# On equal GPUs and equal rank, the architecture that moves no state wins.
+_SIMPLICITY = {Arch.CHUNKED: 2, Arch.COLOCATED: 1, Arch.DISAGGREGATED: 0}
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    winner: Arch | None  # None: nothing meets the SLO with the GPUs given
+    fewest_gpus: dict  # Arch -> GPUs needed to meet the SLO (None: not within the GPUs given)
+    headline: str
+    reasons: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        return {"winner": self.winner.value if self.winner else None,
+                "fewest_gpus": {a.value: g for a, g in self.fewest_gpus.items()},
+                "headline": self.headline, "reasons": list(self.reasons)}
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _interference(m: Metrics) -> str:
+    return (f"{m.label}: prefill work on the same worker takes {m.interference_share_of_tpot:.0%} of a "
+            f"request's decode time on average; TPOT p90 {_ms(m.tpot_p90)} against {_ms(m.tpot_p90_without_stalls)} "
+            f"without those stalls, inter-token p99 {_ms(m.itl_p99)}")
+
+
+def _transfer(m: Metrics, link: str) -> str:
+    per_req = m.kv_bytes_transferred / max(1, m.completed)
+    return (f"{m.label}: no interference (TPOT p90 {_ms(m.tpot_p90)}, inter-token p99 {_ms(m.itl_p99)}) but "
+            f"the KV transfer is {m.transfer_share_of_ttft:.0%} of TTFT over {link} ({per_req / 1e6:.0f} MB per "
+            f"request, transfer p99 {_ms(m.transfer_p99)}); prefill pool {m.prefill_utilization:.0%} busy, "
+            f"decode queue p99 {m.decode_queue_p99:.2f} s")
+
+
+def decide(planner: Planner, ev: Evaluation) -> Verdict:
+    fewest: dict = {}
+    for arch in ev.metrics:
+        found = planner.fewest_gpus(arch)
+        fewest[arch] = found[0] if found else None
+    meeting = [a for a, g in fewest.items() if g is not None]
+    slo = planner.config.slo
+    limits = f"TTFT <= {slo.ttft_s:g} s and TPOT <= {_ms(slo.tpot_s)} for {slo.attainment:.0%} of requests"
+    if meeting:
+        winner = max(meeting, key=lambda a: (-fewest[a], rank(ev.metrics[a]), _SIMPLICITY[a]))
+        others = ", ".join(f"{a.value} needs {fewest[a]}" if fewest[a] else f"{a.value} cannot with "
+                           f"{planner.config.gpus}" for a in ev.metrics if a is not winner)
+        headline = (f"{winner.value} meets the SLO ({limits}) with {fewest[winner]} GPU(s), the fewest; "
+                    f"{others}.")
+    else:
+        winner = None
+        best = ev.best()
+        m = ev.metrics[best]
+        headline = (f"no architecture meets the SLO ({limits}) with {planner.config.gpus} GPU(s); closest is "
+                    f"{m.label} with {m.slo_attainment:.0%} of requests within both limits.")
+    reasons = [_interference(ev.metrics[a]) for a in (Arch.COLOCATED, Arch.CHUNKED)]
+    if Arch.DISAGGREGATED in ev.metrics:
+        reasons.append(_transfer(ev.metrics[Arch.DISAGGREGATED], planner.transfer.name))
+    reasons.extend(ev.notes)
+    any_m = next(iter(ev.metrics.values()))
+    reasons.append(f"weights: {any_m.weight_bytes_resident / 1e9:.1f} GB resident across {any_m.workers} "
+                   f"worker(s) of tp={ev.tp} (x{any_m.weight_duplication:g} one copy) in every architecture")
+    return Verdict(winner, fewest, headline, tuple(reasons))
+
