@@ -5,6 +5,9 @@ daemon over TCP, with this machine's baselines measured in the same run.
 
 Ratios: shm and embedded paths against single-thread memcpy into a pre-faulted buffer; the tcp path
 against a raw loopback socket between two processes (put: sendall + 1-byte ack; get: recv_into).
+When Mooncake Store is installed (``pip install mooncake-transfer-engine-non-cuda``, plus Debian's
+``libibverbs1``), it is measured in the same run over TCP on its fastest Python paths (``--no-mooncake``
+skips it), and kvstore's rows are compared with it.
 """
 
 from __future__ import annotations
@@ -78,7 +81,29 @@ def bench_path(store: kvstore.KVStore, size: int) -> dict[str, Timing]:
     return results
 
 
-def run(sizes: list[int]) -> dict:
+def compare_mooncake(rows: list[dict], sizes: list[int]) -> dict:
+    """Mooncake Store in the same run, and kvstore's speed-up over it per (op, size)."""
+    from benchmarks import mooncake_baseline
+
+    result = mooncake_baseline.measure(sizes)
+    if not result["available"]:
+        return {"available": False, "reason": result["reason"]}
+    ours = {(r["path"], r["op"], r["size"]): r for r in rows}
+    speedups = []
+    for mc in result["rows"]:
+        op = {"put_from": "put", "get_into": "get_into"}.get(mc["op"])
+        if op is None:
+            continue
+        for path in ("daemon+shm", "daemon+tcp"):
+            r = ours.get((path, op, mc["size"]))
+            if r is not None:
+                speedups.append({"op": op, "size": mc["size"], "path": path, "kvstore_p50_us": r["p50_us"],
+                                 "mooncake_p50_us": mc["p50_us"], "speedup": mc["p50_us"] / r["p50_us"]})
+    return {"available": True, "rows": result["rows"], "speedups": speedups,
+            "loadavg": [result.get("loadavg_before"), result.get("loadavg_after")]}
+
+
+def run(sizes: list[int], mooncake: bool = True) -> dict:
     biggest = max(sizes)
     capacity = f"{max(256 << 20, 4 * biggest) >> 20}MiB"
     rows: list[dict] = []
@@ -102,6 +127,7 @@ def run(sizes: list[int]) -> dict:
                         rows.append({"path": name, "op": op, **t.as_dict(), "baseline": ref_name,
                                      "baseline_gbps": ref.gbps, "ratio": t.gbps / ref.gbps})
     return {"machine": machine(), "rows": rows,
+            "mooncake": compare_mooncake(rows, sizes) if mooncake else {"available": False, "reason": "skipped"},
             "baselines": {"memcpy": {s: base[s].as_dict() for s in sizes},
                           "raw_socket_put": {s: raw_put[s].as_dict() for s in sizes},
                           "raw_socket_get": {s: raw_get[s].as_dict() for s in sizes}}}
@@ -124,15 +150,28 @@ def print_table(result: dict) -> None:
     for r in result["rows"]:
         print(f"{r['path']:<11} {r['op']:<8} {format_size(r['size']):>9} {r['p50_us']:>10.1f} {r['p99_us']:>10.1f} "
               f"{r['gbps']:>7.2f} {r['baseline']:>10} {r['baseline_gbps']:>9.2f} {r['ratio']:>6.2f}")
+    mc = result["mooncake"]
+    if not mc["available"]:
+        print(f"# Mooncake Store: not measured ({mc['reason']})")
+        return
+    print("# Mooncake Store over TCP, same run (put_from / get_into into a registered buffer):")
+    for r in mc["rows"]:
+        print(f"{'mooncake':<11} {r['op']:<8} {format_size(r['size']):>9} {r['p50_us']:>10.1f} {r['p99_us']:>10.1f} "
+              f"{r['gbps']:>7.2f}")
+    print("# kvstore speed-up over Mooncake (Mooncake p50 / kvstore p50):")
+    for s in mc["speedups"]:
+        print(f"{s['path']:<11} {s['op']:<8} {format_size(s['size']):>9} {s['kvstore_p50_us']:>10.1f} "
+              f"{s['mooncake_p50_us']:>10.1f} {s['speedup']:>7.1f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sizes (default %(default)s)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--no-mooncake", action="store_true", help="do not measure Mooncake Store")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    result = run(sizes)
+    result = run(sizes, mooncake=not args.no_mooncake)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:
