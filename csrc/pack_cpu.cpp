@@ -2,15 +2,17 @@
 // into one block-major buffer and scatters them back, with memcpy per contiguous run, in parallel over
 // (block, layer) items when the work is large, with the GIL released.
 //
-// Inputs are raw addresses (Python ints), element strides and counts; kvstore/ops.py validates tensors
-// before calling, and the ids are range-checked again here before a byte moves.
+// Inputs are raw addresses (Python ints), element strides and counts; kvstore/ops.py validates the tensors
+// before calling, and the block ids are checked here (range; no repeats for scatter) before a byte moves.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -25,8 +27,11 @@ namespace py = pybind11;
 namespace kvstore {
 namespace {
 
-// Below this many bytes per thread, starting a thread costs more than it saves.
-constexpr int64_t kMinBytesPerThread = int64_t{1} << 20;
+// Below this many bytes per thread, starting threads costs more than it saves: a start costs tens of
+// microseconds, and on a busy machine a helper thread may wait a scheduler tick before it runs at all.
+constexpr int64_t kMinBytesPerThread = int64_t{8} << 20;
+// Unit of work a thread claims at a time.
+constexpr int64_t kChunkBytes = int64_t{256} << 10;
 
 // Copies of more than this many bytes in all (by default 3/4 of the last-level cache, as glibc does for one
 // memcpy) cannot stay cached, so their stores bypass the cache: that saves reading every destination line
@@ -84,13 +89,41 @@ int64_t block_id(const Job& job, int64_t i) {
   return job.ids_int64 ? static_cast<const int64_t*>(job.ids)[i] : static_cast<const int32_t*>(job.ids)[i];
 }
 
-void check_ids(const Job& job) {
+// The ids are checked here, before a byte moves, rather than in Python: once a large copy has evicted the
+// CPU caches, reading them from Python costs ~100 us, more than this loop over thousands of ids.
+void check_ids(const Job& job, bool unique) {
+  const int64_t limit = job.plan.num_cache_blocks;
+  std::vector<uint8_t> seen(unique ? static_cast<size_t>(limit) : 0);
   for (int64_t i = 0; i < job.num_ids; ++i) {
     const int64_t id = block_id(job, i);
-    if (id < 0 || id >= job.plan.num_cache_blocks) {
-      throw py::index_error("block_ids[" + std::to_string(i) + "] = " + std::to_string(id) +
-                            " is out of range; expected 0 <= id < " + std::to_string(job.plan.num_cache_blocks));
+    if (id < 0 || id >= limit) {
+      throw py::value_error("block_ids[" + std::to_string(i) + "] = " + std::to_string(id) +
+                            " is out of range: expected 0 <= id < " + std::to_string(limit) +
+                            " (blocks in each cache)");
     }
+    if (unique && seen[id]++) {
+      std::string where;
+      for (int64_t j = 0; j <= i; ++j) {
+        if (block_id(job, j) == id) where += (where.empty() ? "" : ", ") + std::to_string(j);
+      }
+      throw py::value_error("block_ids: expected distinct ids for scatter, got " + std::to_string(id) +
+                            " at positions [" + where + "]");
+    }
+  }
+}
+
+char* item_cache(const Job& job, int64_t item) {
+  const PagePlan& p = job.plan;
+  return reinterpret_cast<char*>(job.layers[item % p.num_layers]) + block_id(job, item / p.num_layers) * p.block_stride;
+}
+
+// Odometer step from one run of an item to the next (runs are visited in packed order).
+inline void next_run(const PagePlan& p, int64_t* idx, int64_t& offset) {
+  for (int d = p.ndims - 1; d >= 0; --d) {
+    offset += p.strides[d];
+    if (++idx[d] < p.sizes[d]) return;
+    offset -= p.strides[d] * p.sizes[d];
+    idx[d] = 0;
   }
 }
 
@@ -100,12 +133,10 @@ void copy_items(const Job& job, int64_t begin, int64_t end) {
   const PagePlan& p = job.plan;
   char* packed = job.packed + begin * p.item_bytes;
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t sel = item / p.num_layers;
-    const int64_t layer = item % p.num_layers;
-    char* cache = reinterpret_cast<char*>(job.layers[layer]) + block_id(job, sel) * p.block_stride;
+    char* cache = item_cache(job, item);
     int64_t idx[kMaxDims] = {};
     int64_t offset = 0;
-    for (int64_t r = 0; r < p.runs_per_item; ++r) {
+    for (int64_t r = 0; r < p.runs_per_item; ++r, next_run(p, idx, offset)) {
       char* dst = kGather ? packed : cache + offset;
       const char* src = kGather ? cache + offset : packed;
       if (kStreaming) {
@@ -114,12 +145,6 @@ void copy_items(const Job& job, int64_t begin, int64_t end) {
         std::memcpy(dst, src, p.run_bytes);
       }
       packed += p.run_bytes;
-      for (int d = p.ndims - 1; d >= 0; --d) {  // odometer step to the next run
-        offset += p.strides[d];
-        if (++idx[d] < p.sizes[d]) break;
-        offset -= p.strides[d] * p.sizes[d];
-        idx[d] = 0;
-      }
     }
   }
   if (kStreaming) store_fence();  // make the streamed stores visible before the thread reports done
@@ -134,30 +159,37 @@ void copy_range(const Job& job, int64_t begin, int64_t end) {
   }
 }
 
+// streaming: 1 forces cache-bypassing stores, 0 forbids them, -1 decides by size.
 template <bool kGather>
-void run_job(Job& job, int64_t max_threads) {
-  check_ids(job);
+void run_job(Job& job, int64_t max_threads, int streaming) {
+  check_ids(job, /*unique=*/!kGather);
   const int64_t items = job.num_ids * job.plan.num_layers;
   const int64_t total = items * job.plan.item_bytes;
-  job.streaming = total >= streaming_threshold() && job.plan.run_bytes >= 256;
+  job.streaming = streaming < 0 ? total >= streaming_threshold() && job.plan.run_bytes >= 256 : streaming > 0;
   const int64_t threads = std::max<int64_t>(1, std::min({max_threads, total / kMinBytesPerThread, items}));
   if (threads == 1) {
     copy_range<kGather>(job, 0, items);
     return;
   }
+  // Threads take chunks of ~kChunkBytes from a shared counter rather than fixed shares, so a thread that the
+  // OS deschedules (a busy or shared machine) delays the call by one chunk, not by its whole share.
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, job.plan.item_bytes));
+  std::atomic<int64_t> next{0};
+  auto worker = [&job, &next, chunk, items] {
+    for (int64_t begin = next.fetch_add(chunk); begin < items; begin = next.fetch_add(chunk)) {
+      copy_range<kGather>(job, begin, std::min(begin + chunk, items));
+    }
+  };
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
-  const int64_t per = items / threads, extra = items % threads;
-  int64_t begin = 0;
-  for (int64_t t = 0; t < threads; ++t) {
-    const int64_t end = begin + per + (t < extra ? 1 : 0);
-    if (t + 1 == threads) {
-      copy_range<kGather>(job, begin, end);  // the calling thread takes the last share
-    } else {
-      pool.emplace_back(copy_range<kGather>, std::cref(job), begin, end);
+  for (int64_t t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error&) {
+      break;  // no more threads to be had: the ones running (and this one) share the rest
     }
-    begin = end;
   }
+  worker();  // the calling thread works too
   for (auto& th : pool) th.join();
 }
 
@@ -180,11 +212,12 @@ Job make_job(std::vector<uintptr_t> layers, uintptr_t ids, bool ids_int64, int64
 template <bool kGather>
 void pages_entry(std::vector<uintptr_t> layer_ptrs, uintptr_t block_ids, bool ids_int64, int64_t num_ids,
                  int64_t num_cache_blocks, int64_t block_stride, const std::vector<int64_t>& dim_sizes,
-                 const std::vector<int64_t>& dim_strides, int64_t itemsize, uintptr_t packed, int64_t num_threads) {
+                 const std::vector<int64_t>& dim_strides, int64_t itemsize, uintptr_t packed, int64_t num_threads,
+                 int streaming) {
   Job job = make_job(std::move(layer_ptrs), block_ids, ids_int64, num_ids, num_cache_blocks, block_stride, dim_sizes,
                      dim_strides, itemsize, packed);
   if (num_threads <= 0) num_threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  run_job<kGather>(job, num_threads);
+  run_job<kGather>(job, num_threads, streaming);
 }
 
 py::dict describe_plan(const std::vector<int64_t>& dim_sizes, const std::vector<int64_t>& dim_strides,
@@ -206,19 +239,20 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "kvstore CPU kernels: gather/scatter of paged-KV blocks over raw pointers (no torch ABI).";
   const char* args_doc =
       "(layer_ptrs, block_ids, ids_int64, num_ids, num_cache_blocks, block_stride, dim_sizes, dim_strides, "
-      "itemsize, packed, num_threads): addresses are ints; block_stride and dim_strides in elements; dims of one "
-      "block in packed order; num_threads <= 0 means all cores. Releases the GIL.";
+      "itemsize, packed, num_threads, streaming): addresses are ints; block_stride and dim_strides in elements; dims "
+      "of one block in packed order; num_threads <= 0 means all cores; streaming 1/0 forces/forbids cache-bypassing "
+      "stores, -1 uses them for copies larger than the last-level cache. Releases the GIL.";
   const auto gil = py::call_guard<py::gil_scoped_release>();
   m.def("gather_pages", &kvstore::pages_entry<true>, gil,
         (std::string("Copy the selected blocks of every layer into the block-major packed buffer ") + args_doc).c_str(),
         py::arg("layer_ptrs"), py::arg("block_ids"), py::arg("ids_int64"), py::arg("num_ids"),
         py::arg("num_cache_blocks"), py::arg("block_stride"), py::arg("dim_sizes"), py::arg("dim_strides"),
-        py::arg("itemsize"), py::arg("packed"), py::arg("num_threads") = 0);
+        py::arg("itemsize"), py::arg("packed"), py::arg("num_threads") = 0, py::arg("streaming") = -1);
   m.def("scatter_pages", &kvstore::pages_entry<false>, gil,
         (std::string("Copy the block-major packed buffer into the selected blocks of every layer ") + args_doc).c_str(),
         py::arg("layer_ptrs"), py::arg("block_ids"), py::arg("ids_int64"), py::arg("num_ids"),
         py::arg("num_cache_blocks"), py::arg("block_stride"), py::arg("dim_sizes"), py::arg("dim_strides"),
-        py::arg("itemsize"), py::arg("packed"), py::arg("num_threads") = 0);
+        py::arg("itemsize"), py::arg("packed"), py::arg("num_threads") = 0, py::arg("streaming") = -1);
   m.def("describe_plan", &kvstore::describe_plan, "The coalesced copy plan for one block (for tests and profiling).",
         py::arg("dim_sizes"), py::arg("dim_strides"), py::arg("itemsize"), py::arg("block_stride"),
         py::arg("num_layers"), py::arg("num_cache_blocks"));

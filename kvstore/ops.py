@@ -15,6 +15,7 @@ On CUDA the block-id range check reads the ids back, which waits for the caller'
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import threading
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ def _gather_pages_op(kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out
     pages = _inspect(layout_kind, kv_caches, block_ids, out, "out")
     ids = _checked_ids(block_ids, pages.num_cache_blocks, unique=False)
     ptrs = [t.data_ptr() for t in kv_caches]
-    _check_disjoint(out, "out", kv_caches, ptrs)
+    _check_disjoint(out, "out", kv_caches, ptrs, ids, gather=True)
     _launch(pages, ptrs, ids, out, gather=True)
 
 
@@ -93,7 +94,7 @@ def _scatter_pages_op(src: torch.Tensor, block_ids: torch.Tensor, kv_caches: lis
     ids = _checked_ids(block_ids, pages.num_cache_blocks, unique=True)
     ptrs = [t.data_ptr() for t in kv_caches]
     _check_writable_caches(kv_caches, ptrs)
-    _check_disjoint(src, "src", kv_caches, ptrs)
+    _check_disjoint(src, "src", kv_caches, ptrs, ids, gather=False)
     _launch(pages, ptrs, ids, src, gather=False)
 
 
@@ -148,9 +149,18 @@ def _check_call(layout: KVLayout, kv_caches, block_ids, packed, name: str) -> li
     return kv_caches
 
 
+@functools.cache
+def _kind_dims(layout_kind: str) -> tuple[KVLayoutKind, int, int | None, tuple[int, ...]]:
+    """(kind, block dim, kv dim or None, cache dims of one block in packed order) of a layout kind."""
+    kind = KVLayoutKind.parse(layout_kind)
+    dims = kind.cache_dims
+    kv_dim = dims.index("kv") if "kv" in dims else None
+    return kind, dims.index("block"), kv_dim, tuple(dims.index(d) for d in kind.block_dims)
+
+
 def _inspect(layout_kind: str, kv_caches: list[torch.Tensor], block_ids, packed, name: str) -> _Pages:
     """Checks the op's arguments for consistency with each other; runs on real and on fake tensors."""
-    kind = KVLayoutKind.parse(layout_kind)
+    kind, block_dim, kv_dim, block_dims = _kind_dims(layout_kind)
     if len(kv_caches) == 0:
         raise ValueError("kv_caches: expected at least one layer, got an empty list")
     first = kv_caches[0]
@@ -158,8 +168,8 @@ def _inspect(layout_kind: str, kv_caches: list[torch.Tensor], block_ids, packed,
     if first.dim() != len(dims):
         raise ValueError(f"kv_caches[0]: expected {len(dims)} dims {dims} for {kind.name}, got shape "
                          f"{tuple(first.shape)}")
-    if "kv" in dims and first.shape[dims.index("kv")] != 2:
-        raise ValueError(f"kv_caches[0]: expected size 2 (K and V) at dim {dims.index('kv')} for {kind.name}, "
+    if kv_dim is not None and first.shape[kv_dim] != 2:
+        raise ValueError(f"kv_caches[0]: expected size 2 (K and V) at dim {kv_dim} for {kind.name}, "
                          f"got shape {tuple(first.shape)}")
     if first.device.type not in ("cpu", "cuda"):
         raise ValueError(f"kv_caches[0]: expected a cpu or cuda tensor, got device {first.device}")
@@ -169,13 +179,11 @@ def _inspect(layout_kind: str, kv_caches: list[torch.Tensor], block_ids, packed,
         raise TypeError(f"kv_caches[0]: {exc}") from None
     _check_same_as_first(kv_caches)
     _check_ids_tensor(block_ids, first.device)
-    block_dim = dims.index("block")
-    block_dims = [dims.index(d) for d in kind.block_dims]
-    expected = (block_ids.shape[0], len(kv_caches), *(first.shape[d] for d in block_dims))
-    _check_packed(packed, name, expected, first)
-    return _Pages(num_layers=len(kv_caches), num_cache_blocks=first.shape[block_dim],
-                  block_stride=first.stride(block_dim), dim_sizes=[first.shape[d] for d in block_dims],
-                  dim_strides=[first.stride(d) for d in block_dims], itemsize=first.element_size())
+    shape, stride = first.shape, first.stride()
+    dim_sizes = [shape[d] for d in block_dims]
+    _check_packed(packed, name, (block_ids.shape[0], len(kv_caches), *dim_sizes), first)
+    return _Pages(num_layers=len(kv_caches), num_cache_blocks=shape[block_dim], block_stride=stride[block_dim],
+                  dim_sizes=dim_sizes, dim_strides=[stride[d] for d in block_dims], itemsize=first.element_size())
 
 
 def _check_same_as_first(kv_caches: list[torch.Tensor]) -> None:
@@ -216,22 +224,27 @@ def _check_packed(packed, name: str, expected: tuple, cache: torch.Tensor) -> No
 
 
 def _checked_ids(block_ids: torch.Tensor, num_cache_blocks: int, unique: bool) -> torch.Tensor:
-    """Contiguous ids after checking the range (and uniqueness); one host read of three numbers."""
+    """Contiguous ids, checked for range (and, for scatter, repeats) before any kernel sees them.
+
+    CUDA ids are reduced on the device and read back as three numbers (one wait for the current stream).
+    CPU ids are checked by the extension itself, with the same messages, before it copies a byte: reading
+    them from Python costs ~100 us once a large copy has evicted the CPU caches.
+    """
     ids = block_ids.contiguous()
-    if ids.numel() == 0:
+    if ids.numel() == 0 or ids.device.type == "cpu":
         return ids
     if unique:
         ordered = torch.sort(ids).values
-        stats = torch.stack([ordered[0], ordered[-1], (ordered[1:] == ordered[:-1]).sum().to(ids.dtype)])
+        stats = torch.stack([ordered[0], ordered[-1], (ordered[1:] == ordered[:-1]).any().to(ids.dtype)])
     else:
         stats = torch.stack(torch.aminmax(ids))
-    low, high, *dups = stats.tolist()
+    low, high, *repeated = stats.tolist()
     if low < 0 or high >= num_cache_blocks:
-        bad = ((ids < 0) | (ids >= num_cache_blocks)).nonzero()[0, 0].item()
-        raise ValueError(f"block_ids[{bad}] = {ids[bad].item()} is out of range: expected 0 <= id < "
+        bad = int(((ids < 0) | (ids >= num_cache_blocks)).nonzero()[0, 0])
+        raise ValueError(f"block_ids[{bad}] = {int(ids[bad])} is out of range: expected 0 <= id < "
                          f"{num_cache_blocks} (blocks in each cache)")
-    if dups and dups[0]:
-        value = ordered[1:][ordered[1:] == ordered[:-1]][0].item()
+    if repeated and repeated[0]:
+        value = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
         where = (ids == value).nonzero().flatten().tolist()
         raise ValueError(f"block_ids: expected distinct ids for scatter, got {value} at positions {where}")
     return ids
@@ -244,15 +257,26 @@ def _extent_bytes(t: torch.Tensor) -> int:
     return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def _check_disjoint(packed: torch.Tensor, name: str, kv_caches: list[torch.Tensor], ptrs: list[int]) -> None:
-    start = packed.data_ptr()
-    end = start + _extent_bytes(packed)
+def _check_disjoint(packed: torch.Tensor, name: str, kv_caches: list[torch.Tensor], ptrs: list[int],
+                    ids: torch.Tensor, gather: bool) -> None:
+    """The packed buffer must not overlap any cache, nor the ids the destination being written."""
+    start, end = _span(packed)
     extent = _extent_bytes(kv_caches[0])  # every layer has the same shape and strides
+    id_start, id_end = _span(ids)
     for i, c_start in enumerate(ptrs):
         if start < c_start + extent and c_start < end:
             raise ValueError(f"{name} overlaps kv_caches[{i}] in memory ({name} bytes [{start:#x}, {end:#x}), "
                              f"cache bytes [{c_start:#x}, {c_start + extent:#x})); expected disjoint source and "
                              f"destination")
+        if not gather and id_start < c_start + extent and c_start < id_end:
+            raise ValueError(f"block_ids overlaps kv_caches[{i}] in memory; expected ids outside the caches")
+    if gather and id_start < end and start < id_end:
+        raise ValueError(f"block_ids overlaps {name} in memory; expected ids outside the packed buffer")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + _extent_bytes(t)
 
 
 def _check_writable_caches(kv_caches: list[torch.Tensor], ptrs: list[int]) -> None:
