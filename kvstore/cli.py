@@ -29,7 +29,12 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(listen=tuple(args.listen or ["unix:///tmp/kvstore.sock"]), capacity=parse_size(args.capacity),
                           metrics_port=args.metrics_port, token=token, insecure=args.insecure,
                           high_watermark=args.high_watermark, low_watermark=args.low_watermark,
-                          heartbeat_timeout=args.heartbeat_timeout)
+                          heartbeat_timeout=args.heartbeat_timeout, gpu_capacity=parse_size(args.gpu_capacity),
+                          device=args.device)
+    if args.cluster:
+        from kvstore.cluster.cli import serve as serve_cluster
+
+        return serve_cluster(args, config)
     return run(config)
 
 
@@ -125,7 +130,7 @@ def _client_parser(sub, name: str, help_text: str, handler: Callable[[argparse.N
     p = sub.add_parser(name, help=help_text, description=help_text)
     p.add_argument("--url", default=DEFAULT_URL, help="daemon address (default %(default)s; env KVSTORE_URL)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default %(default)s)")
-    p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"], help="data path")
+    p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "ucx"], help="data path")
     p.add_argument("--token-file", help="file holding the daemon's token")
     p.set_defaults(handler=handler)
     return p
@@ -137,8 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the daemon", description="Run the kvstore daemon until SIGTERM/SIGINT.")
     p.add_argument("--listen", action="append", metavar="URL",
-                   help="unix:///path or tcp://host:port; repeatable (default unix:///tmp/kvstore.sock)")
+                   help="unix:///path or tcp://host:port (control and data), or ucx://host:port (the UCX data "
+                        "endpoint; needs ucxx; clients choose it with transport='ucx'); repeatable "
+                        "(default unix:///tmp/kvstore.sock)")
     p.add_argument("--capacity", default="1GiB", help="host memory for objects, e.g. 8GiB (default %(default)s)")
+    p.add_argument("--gpu-capacity", default="0", metavar="SIZE",
+                   help="GPU memory for objects put from CUDA tensors, e.g. 8GiB: same-host clients reach it by "
+                        "CUDA IPC (transport cuda_ipc); needs a CUDA GPU (default 0: none)")
+    p.add_argument("--device", type=int, metavar="N", help="CUDA device of --gpu-capacity (default 0)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     p.add_argument("--token-file", help="require this token from clients (needed for non-loopback TCP)")
     p.add_argument("--insecure", action="store_true", help="allow non-loopback TCP without a token")
@@ -147,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,
                    help="drop a client silent this many seconds (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from kvstore.cluster.cli import add_serve_arguments
+
+    add_serve_arguments(p)
     p.set_defaults(handler=_serve)
 
     p = _client_parser(sub, "stats", "show the daemon's capacity, usage and clients", _stats)

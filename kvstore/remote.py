@@ -13,23 +13,28 @@ from typing import Any, Callable, Sequence
 
 import transports
 from kvstore.client import Digest, KVStore, PutFlags
-from kvstore.errors import ObjectTooLargeError, StoreConnectionError, TransportError
+from kvstore.errors import InvalidArgumentError, ObjectTooLargeError, StoreConnectionError, TransportError
+from kvstore.gpu_client import GpuClient
 from kvstore.index import IndexReader
 from kvstore.meta import ObjectMeta
 from kvstore.rpc import Connection
 from kvstore.url import Endpoint, host_id
 from kvstore.value import KVObject, Payload
 from transports.base import TransportFailure
-from transports.shm import SharedMemory
+from transports.cuda_ipc import DeviceBuffer
+from transports.shm import SharedMemory, ShmTransport
 from transports.tcp import StreamTransport
 
 INLINE_MAX = 64 << 10
 
 
-class RemoteStore(KVStore):
+class RemoteStore(GpuClient, KVStore):
     def __init__(self, url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
                  client_name: str = ""):
         self.endpoint = Endpoint.parse(url)
+        if self.endpoint.scheme == "ucx":
+            raise InvalidArgumentError(f"{url} is a daemon's UCX data endpoint; connect to its unix:// or tcp:// "
+                                       "address with transport='ucx'")
         self.timeout = timeout
         self._token = token
         self._waiter: Connection | None = None  # wait() blocks on its own connection
@@ -40,12 +45,12 @@ class RemoteStore(KVStore):
         try:
             hello = self._conn.call({"op": "hello", "client": client_name or f"pid-{os.getpid()}",
                                      "token": token, "transport": transport, "host": host_id(),
-                                     "pid": os.getpid()})
+                                     "pid": os.getpid(), "transports": transports.names()})
             self.transport = hello["transport"]
             segments = {sid: (name, size) for sid, name, size in hello["segments"]}
             self._data = transports.get(self.transport)(segments)
             self._inline = StreamTransport()
-            if self.transport == "shm":
+            if isinstance(self._data, ShmTransport):  # shm, and cuda_ipc (which maps the same memory)
                 self._index_shm = SharedMemory.attach(*hello["index"])
                 self._index = IndexReader(self._index_shm.buf, self._data.region)
         except TransportFailure as exc:
@@ -86,6 +91,8 @@ class RemoteStore(KVStore):
         request = {"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(),
                    "if_absent": flags.if_absent, "pin": flags.pin, "ephemeral": flags.ephemeral, "defer": defer}
         try:
+            if isinstance(payload.view, DeviceBuffer):  # see GpuClient
+                return self._device_path().put_device(self._conn, request, payload.view, digest)
             return self._path(meta.size).put(self._conn, request, payload.view, digest)
         except TransportFailure as exc:
             raise TransportError(f"put of {meta.key!r} failed on the {self.transport} path: {exc}") from None
@@ -128,10 +135,10 @@ class RemoteStore(KVStore):
             raise TransportError(f"get of {key!r} failed on the {self.transport} path: {exc}") from None
 
     def _get(self, key: str, *, copy: bool) -> KVObject:
-        if self.transport != "shm":
+        if not isinstance(self._data, ShmTransport):
             holder: dict = {}
-            reply = self._read(key, lambda r: holder.setdefault("buf", memoryview(bytearray(r["stream"]))),
-                               self._inline)
+            reply = self._read(key, lambda r: holder.setdefault("buf", memoryview(bytearray(r["meta"]["size"]))),
+                               self._data)
             return KVObject.wrap(holder.get("buf", b""), ObjectMeta.from_wire(reply["meta"]))
         reply = self._conn.call({"op": "get", "key": key, "mode": "region"})
         meta = ObjectMeta.from_wire(reply["meta"])
@@ -197,6 +204,7 @@ class RemoteStore(KVStore):
     def stats(self) -> dict:
         out = self._call("stats")
         out["transport"] = self.transport
+        out["device_path"] = self.device_path_name()
         return out
 
     def ping(self) -> None:
@@ -209,6 +217,7 @@ class RemoteStore(KVStore):
         self._conn.close()
         if self._waiter is not None:
             self._waiter.close()
+        self._close_device_path()  # unpins shared memory: before the transport unmaps it
         self._data.close()
         if self._index_shm is not None:
             self._index = None

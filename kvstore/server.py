@@ -15,16 +15,25 @@ from dataclasses import dataclass, field
 
 from kvstore import index as shm_index
 from kvstore.errors import InvalidArgumentError, TransportError
-from kvstore.master import LRUPolicy, Master, Replica
+from kvstore.gpu_segment import GpuMemory
+from kvstore.master import LRUPolicy, Master, Replica, Tier
 from kvstore.metrics import Metrics
 from kvstore.segment import SegmentSet, reap_orphans
 from kvstore.session import Session
+from kvstore.ucx_ops import start_ucx
 from kvstore.url import Endpoint, host_id
 from transports.shm import SharedMemory
 from transports.tcp import tune
 
 log = logging.getLogger("kvstore.server")
-SERVED_TRANSPORTS = ("shm", "tcp")
+SERVED_TRANSPORTS = ("shm", "tcp")  # always served; "ucx" too while a --listen ucx:// endpoint runs, and
+#                                     "cuda_ipc" while the daemon holds GPU segments (--gpu-capacity)
+#: transport="auto": the first of these that the daemon serves and the client offers. "cuda_ipc" (offered by
+#: clients with torch) hands host buffers on to the shm path itself, so it goes first.
+SAME_HOST_PREFERENCE = ("cuda_ipc", "shm")
+REMOTE_PREFERENCE = ("ucx", "tcp")
+SAME_HOST_ONLY = ("shm", "cuda_ipc")  # they map the daemon's memory
+_SERVE_HINTS = {"ucx": " (start it with --listen ucx://host:port)", "cuda_ipc": " (start it with --gpu-capacity)"}
 
 
 @dataclass(frozen=True)
@@ -38,19 +47,41 @@ class ServerConfig:
     low_watermark: float = 0.8
     heartbeat_timeout: float = 30.0
     grace: float = 10.0
+    gpu_capacity: int = 0  # bytes of GPU segments (0: none)
+    device: int | None = None  # the CUDA device holding them (default 0)
     endpoints: tuple[Endpoint, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         if not self.listen:
             raise InvalidArgumentError("give at least one --listen address")
         endpoints = tuple(Endpoint.parse(url) for url in self.listen)
+        if all(ep.scheme == "ucx" for ep in endpoints) or sum(ep.scheme == "ucx" for ep in endpoints) > 1:
+            raise InvalidArgumentError("ucx:// is a data endpoint: give one at most, next to a unix:// or tcp:// "
+                                       "--listen address for the control connection")
         for ep in endpoints:
             if not ep.is_loopback() and self.token is None and not self.insecure:
                 raise InvalidArgumentError(f"refusing to listen on non-loopback {ep} without a token "
                                            "(--token-file) or --insecure")
         if self.capacity <= 0:
             raise InvalidArgumentError(f"capacity must be positive, got {self.capacity}")
+        self._check_gpu()
         object.__setattr__(self, "endpoints", endpoints)
+
+    def _check_gpu(self) -> None:
+        if isinstance(self.gpu_capacity, bool) or not isinstance(self.gpu_capacity, int) or self.gpu_capacity < 0:
+            raise InvalidArgumentError(f"gpu capacity must be a size >= 0, got {self.gpu_capacity!r}")
+        if self.device is None:
+            return
+        if isinstance(self.device, bool) or not isinstance(self.device, int) or self.device < 0:
+            raise InvalidArgumentError(f"device must be a CUDA device number >= 0, got {self.device!r}")
+        if not self.gpu_capacity:
+            raise InvalidArgumentError(f"--device {self.device} picks the GPU of the GPU segments; give "
+                                       "--gpu-capacity too")
+
+    @property
+    def control_endpoints(self) -> tuple[Endpoint, ...]:
+        """The unix:// and tcp:// addresses (control connections); ucx:// is a data endpoint."""
+        return tuple(ep for ep in self.endpoints if ep.scheme != "ucx")
 
 
 class _Publisher:
@@ -78,6 +109,8 @@ class Server:
         self.host_id = host_id()
         self.pid = os.getpid()
         self.sessions: set[Session] = set()
+        self.ucx = None  # transports.ucx_server.UcxDataServer while a --listen ucx:// endpoint runs
+        self.gpu: GpuMemory | None = None  # with --gpu-capacity
         self.waiters: dict[str, list[asyncio.Future]] = {}
         self.draining = False
         self._listeners: list[socket.socket] = []
@@ -95,12 +128,13 @@ class Server:
             self.metrics = Metrics(self.stats if cfg.metrics_port is not None else None)
             if cfg.metrics_port is not None:
                 self.metrics.serve(cfg.metrics_port)
+            self._start_data_endpoints()
         except BaseException:
             self._close_listeners()
             self._release_memory()
             raise
         loop = asyncio.get_running_loop()
-        for lsock, ep in zip(self._listeners, cfg.endpoints):
+        for lsock, ep in zip(self._listeners, cfg.control_endpoints):
             self._spawn(self._accept(lsock, ep))
         self._spawn(self._housekeeping())
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -108,22 +142,33 @@ class Server:
         log.info("serving %s, capacity %d bytes, segments %s", ", ".join(map(str, cfg.endpoints)), cfg.capacity,
                  [s.name for s in self.segments.segments])
 
+    def _start_data_endpoints(self) -> None:
+        for ep in self.config.endpoints:
+            if ep.scheme == "ucx":
+                self.ucx = start_ucx(ep, asyncio.get_running_loop())
+
     def _bind_all(self) -> None:
         try:
-            for ep in self.config.endpoints:
+            for ep in self.config.control_endpoints:
                 self._listeners.append(self._bind(ep))
         except BaseException:
             self._close_listeners()
             raise
 
     def _close_listeners(self) -> None:
-        for lsock, ep in zip(self._listeners, self.config.endpoints):
+        for lsock, ep in zip(self._listeners, self.config.control_endpoints):
             lsock.close()
             if ep.scheme == "unix":
                 _remove_stale_socket(ep.path)
         self._listeners.clear()
 
     def _release_memory(self) -> None:
+        if self.ucx is not None:  # first: nothing may still move bytes in or out of the segments
+            self.ucx.close()
+            self.ucx = None
+        if self.gpu is not None:  # waits for staging copies and unpins the host segments before they go
+            self.gpu.close()
+            self.gpu = None
         index_shm = getattr(self, "_index_shm", None)
         if index_shm is not None:
             index_shm.unlink()
@@ -138,8 +183,15 @@ class Server:
         slots = shm_index.slots_for_capacity(cfg.capacity)
         self._index_shm = SharedMemory.create(f"{self.segments.stem}-index", shm_index.table_bytes(slots))
         self.index = shm_index.IndexWriter(self._index_shm.buf, slots)
-        self.master = Master([cfg.capacity], high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
-                             policy=LRUPolicy(self.index.atime), listener=_Publisher(self))
+        sizes, tiers = [cfg.capacity], [Tier.HOST]
+        if cfg.gpu_capacity:
+            self.gpu = GpuMemory(cfg.device or 0, [cfg.gpu_capacity], first_id=len(sizes), host=self.segments)
+            sizes.append(cfg.gpu_capacity)
+            tiers.append(Tier.GPU)
+            log.info("GPU segments: %d bytes on GPU %d (%s); %d bytes of host segments page-locked",
+                     cfg.gpu_capacity, self.gpu.device, self.gpu.bus_id, self.gpu.pinned_bytes)
+        self.master = Master(sizes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
+                             policy=LRUPolicy(self.index.atime), listener=_Publisher(self), tiers=tiers)
 
     def _bind(self, ep: Endpoint) -> socket.socket:
         if ep.scheme == "unix":
@@ -224,8 +276,9 @@ class Server:
     def on_published(self, replica: Replica) -> None:
         """A version became visible: show it in the shared-memory index and wake waiters."""
         meta = replica.meta
-        self.index.publish(meta.key, replica.id, replica.segment, replica.offset, meta.size, replica.expires_at,
-                           meta.checksum)
+        if self.master.tier_of(replica) is Tier.HOST:  # clients read GPU-resident objects through the daemon
+            self.index.publish(meta.key, replica.id, replica.segment, replica.offset, meta.size,
+                               replica.expires_at, meta.checksum)
         for fut in self.waiters.pop(meta.key, ()):
             if not fut.done():
                 fut.set_result(meta.key)
@@ -234,15 +287,24 @@ class Server:
         self.index.unpublish(replica.key, replica.id)
 
     # ---- services for sessions ----------------------------------------------------------------------
-    def choose_transport(self, requested: str, client_host: str, peer: str) -> str:
+    @property
+    def served_transports(self) -> tuple[str, ...]:
+        return SERVED_TRANSPORTS + (("ucx",) if self.ucx is not None else ()) + \
+            (("cuda_ipc",) if self.gpu is not None else ())
+
+    def choose_transport(self, requested: str, client_host: str, peer: str, offered: list[str] | tuple = ()) -> str:
+        """The data path of a new connection. ``offered``: the transports the client can run (a client that
+        offers none gets shm or tcp)."""
         same_host = client_host == self.host_id
+        served = self.served_transports
         if requested == "auto":
-            return "shm" if same_host else "tcp"
-        if requested not in SERVED_TRANSPORTS:
+            prefs = (SAME_HOST_PREFERENCE if same_host else REMOTE_PREFERENCE) + ("tcp",)
+            return next(t for t in prefs if t in served and (t in offered or t in SERVED_TRANSPORTS))
+        if requested not in served:
             raise TransportError(f"transport {requested!r} is not served here; this daemon serves "
-                                 f"{list(SERVED_TRANSPORTS)}")
-        if requested == "shm" and not same_host:
-            raise TransportError(f"transport 'shm' needs the client on the daemon's host ({self.host_id}); "
+                                 f"{list(served)}{_SERVE_HINTS.get(requested, '')}")
+        if requested in SAME_HOST_ONLY and not same_host:
+            raise TransportError(f"transport {requested!r} needs the client on the daemon's host ({self.host_id}); "
                                  f"client {peer} is on {client_host or 'an unknown host'}")
         return requested
 
@@ -254,8 +316,11 @@ class Server:
         out["clients_by_transport"] = {}
         for s in self.sessions:
             out["clients_by_transport"][s.transport] = out["clients_by_transport"].get(s.transport, 0) + 1
-        out["connections"] = [{"client": s.name, "peer": s.peer, "transport": s.transport}
+        out["connections"] = [{"client": s.name, "peer": s.peer, "transport": s.transport, "path": s.data_path}
                               for s in list(self.sessions)[:256]]
+        out["transports"] = list(self.served_transports)
+        if self.gpu is not None:
+            out["gpu"] = self.gpu.info()
         out["listen"] = [str(ep) for ep in self.config.endpoints]
         out["pid"] = self.pid
         return out

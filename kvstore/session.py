@@ -20,7 +20,9 @@ from kvstore import wire
 from kvstore.embedded import describe_replica
 from kvstore.errors import (AuthenticationError, InvalidArgumentError, KVStoreError, ObjectTooLargeError,
                             ProtocolError, ServerError, TransportError)
+from kvstore.gpu_ops import GpuOps
 from kvstore.meta import ObjectMeta
+from kvstore.ucx_ops import UcxOps
 
 if TYPE_CHECKING:
     from kvstore.server import Server
@@ -34,13 +36,14 @@ class _Closed(Exception):
     """The peer went away (or framing broke): end the session."""
 
 
-class Session:
+class Session(GpuOps, UcxOps):
     def __init__(self, server: "Server", sock: socket.socket, peer: str):
         self.server, self.sock, self.peer = server, sock, peer
         self.loop = asyncio.get_running_loop()
         self.client: int | None = None
         self.name = ""
         self.transport = "none"
+        self.client_host = ""
         self._buf = bytearray(_BUFFER)
         self._start = self._end = 0
         self.busy = False
@@ -136,6 +139,7 @@ class Session:
             self.close()
 
     def close(self) -> None:
+        self._close_data()  # cancel UCX transfers into segment memory before their space is freed
         if self.client is not None:
             puts, leases = self.server.master.drop_client(self.client)
             if puts or leases:
@@ -199,14 +203,16 @@ class Session:
         if server.config.token is not None and not hmac.compare_digest(
                 (f["token"] or "").encode(), server.config.token.encode()):
             raise AuthenticationError("wrong or missing token")
-        self.transport = server.choose_transport(f["transport"], f["host"], self.peer)
+        self.transport = server.choose_transport(f["transport"], f["host"], self.peer, f["transports"])
+        self.client_host = f["host"]
         if self.client is None:
             self.client = server.master.register_client(f["client"])
         self.name = f["client"] or self.peer
         return self._ok(rid, client_id=self.client, transport=self.transport, host=server.host_id,
                         segments=server.segments.describe(), index=server.index_info(),
                         capacity=server.master.capacity, max_frame=wire.MAX_FRAME,
-                        heartbeat_s=server.config.heartbeat_timeout, pid=server.pid)
+                        heartbeat_s=server.config.heartbeat_timeout, pid=server.pid,
+                        transports=list(server.served_transports))
 
     async def op_ping(self, rid: int, f: dict) -> dict:
         return self._ok(rid)
@@ -225,6 +231,8 @@ class Session:
                                    ephemeral=f["ephemeral"])
         if f["mode"] == "region":
             return self._ok(rid, put_id=replica.id, segment=replica.segment, offset=replica.offset)
+        if f["mode"] == "ucx":
+            return self._ucx_put_reply(rid, replica)
         try:
             region = self.server.segments[replica.segment].view(replica.offset, meta.size)
             self._unread_payload = False
@@ -244,6 +252,7 @@ class Session:
         replica = master.pending(f["put_id"])
         if replica.client != self.client:
             raise InvalidArgumentError(f"put {f['put_id']} belongs to another client")
+        await self._landed([f["put_id"]])
         self.server.metrics.bytes_in(replica.size)
         return self._committed(rid, master.commit(f["put_id"], f["checksum"]))
 
@@ -252,6 +261,7 @@ class Session:
         for pid in f["put_ids"]:
             if master.pending(pid).client != self.client:
                 raise InvalidArgumentError(f"put {pid} belongs to another client")
+        await self._landed(f["put_ids"])
         replicas = master.commit_many(f["put_ids"], f["checksums"])
         return self._ok(rid, versions=[r.meta.version for r in replicas], created=[r.meta.created for r in replicas])
 
@@ -261,6 +271,7 @@ class Session:
     async def op_abort(self, rid: int, f: dict) -> dict:
         if self.server.master.pending(f["put_id"]).client != self.client:
             raise InvalidArgumentError(f"put {f['put_id']} belongs to another client")
+        self._cancel_landing(f["put_id"])
         self.server.master.abort(f["put_id"])
         return self._ok(rid)
 
@@ -270,9 +281,13 @@ class Session:
             self._require_shm()  # before the lease is taken
         lease = master.lease(f["key"], self.client)
         replica = lease.replica
+        if self._on_gpu(replica):  # these paths cannot map GPU memory: the daemon copies it to the host
+            return await self._staged_get(rid, f, lease)
         if f["mode"] == "region":
             return self._ok(rid, meta=replica.meta.to_wire(), segment=replica.segment, offset=replica.offset,
                             size=replica.size, lease=lease.id)
+        if f["mode"] == "ucx" and replica.size > _INLINE_REPLY:
+            return self._ucx_get_reply(rid, lease)
         try:
             region = self.server.segments[replica.segment].view(replica.offset, replica.size)
             await self._send(self._ok(rid, meta=replica.meta.to_wire(), stream=replica.size), region)
@@ -284,6 +299,7 @@ class Session:
 
     async def op_release(self, rid: int, f: dict) -> dict:
         self.server.master.release(f["lease"], client=self.client)
+        self._drop_staging(f["lease"])
         return self._ok(rid)
 
     async def op_lease(self, rid: int, f: dict) -> dict:
@@ -304,7 +320,8 @@ class Session:
 
     async def op_inspect(self, rid: int, f: dict) -> dict:
         master = self.server.master
-        return self._ok(rid, value=describe_replica(master.lookup(f["key"]), master.clock()))
+        replica = master.lookup(f["key"])
+        return self._ok(rid, value={**describe_replica(replica, master.clock()), "tier": master.tier_of(replica).value})
 
     async def op_stats(self, rid: int, f: dict) -> dict:
         return self._ok(rid, value=self.server.stats())
@@ -317,5 +334,5 @@ class Session:
         return self._ok(rid, value=await self.server.wait_for(f["keys"], f["timeout"]))
 
     def _require_shm(self) -> None:
-        if self.transport != "shm":
+        if self.transport not in ("shm", "cuda_ipc"):  # both map the daemon's shared memory
             raise TransportError(f"region mode needs the shm transport; this connection uses {self.transport}")

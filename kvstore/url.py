@@ -1,4 +1,5 @@
-"""Endpoint: a parsed ``unix:///path`` or ``tcp://host:port`` address, and this host's identity."""
+"""Endpoint: a parsed ``unix:///path``, ``tcp://host:port`` or ``ucx://host:port`` (the daemon's UCX data
+endpoint) address, and this host's identity."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def host_id() -> str:
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    scheme: str  # "unix" or "tcp"
+    scheme: str  # "unix", "tcp" or "ucx"
     path: str = ""
     host: str = ""
     port: int = 0
@@ -37,15 +38,17 @@ class Endpoint:
             if not path:
                 raise InvalidArgumentError(f"unix address {url!r} has no path (use unix:///run/kv.sock)")
             return cls("unix", path=path)
-        if parts.scheme == "tcp":
+        if parts.scheme in ("tcp", "ucx"):
             try:
                 port = parts.port
             except ValueError:
                 port = None
             if not parts.hostname or port is None:
-                raise InvalidArgumentError(f"tcp address {url!r} needs a host and a port (tcp://127.0.0.1:7070)")
-            return cls("tcp", host=parts.hostname, port=port)
-        raise InvalidArgumentError(f"unsupported address {url!r}; use unix:///path or tcp://host:port")
+                raise InvalidArgumentError(f"{parts.scheme} address {url!r} needs a host and a port "
+                                           f"({parts.scheme}://127.0.0.1:7070)")
+            return cls(parts.scheme, host=parts.hostname, port=port)
+        raise InvalidArgumentError(f"unsupported address {url!r}; use unix:///path, tcp://host:port or "
+                                   "ucx://host:port")
 
     def is_loopback(self) -> bool:
         if self.scheme == "unix":
@@ -57,4 +60,4 @@ class Endpoint:
         return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
     def __str__(self) -> str:
-        return f"unix://{self.path}" if self.scheme == "unix" else f"tcp://{self.host}:{self.port}"
+        return f"unix://{self.path}" if self.scheme == "unix" else f"{self.scheme}://{self.host}:{self.port}"

@@ -91,8 +91,26 @@ def _seconds(value: Any, name: str) -> float:
 
 
 def _mode(value: Any, name: str) -> str:
-    if value not in ("stream", "region"):
-        raise InvalidArgumentError(f"field {name!r} must be 'stream' or 'region', got {value!r}")
+    if value not in ("stream", "region", "ucx"):
+        raise InvalidArgumentError(f"field {name!r} must be 'stream', 'region' or 'ucx', got {value!r}")
+    return value
+
+
+def _bin(value: Any, name: str) -> bytes:
+    if not isinstance(value, bytes) or not 0 < len(value) <= 65536:
+        raise InvalidArgumentError(f"field {name!r} must be 1 to 65536 bytes, got {type(value).__name__}")
+    return value
+
+
+def _names(value: Any, name: str) -> list[str]:
+    if not isinstance(value, list) or len(value) > 32:
+        raise InvalidArgumentError(f"field {name!r} must be a list of at most 32 names")
+    return [_str(v, name) for v in value]
+
+
+def _via(value: Any, name: str) -> str:
+    if value not in ("auto", "address", "listener"):
+        raise InvalidArgumentError(f"field {name!r} must be 'auto', 'address' or 'listener', got {value!r}")
     return value
 
 
@@ -123,7 +141,7 @@ Field = tuple[Callable[[Any, str], Any], bool, Any]  # validator, required, defa
 _KEY: dict[str, Field] = {"key": (_key, True, None)}
 SCHEMA: dict[str, dict[str, Field]] = {
     "hello": {"client": (_str, False, ""), "token": (_opt_str, False, None), "transport": (_str, False, "auto"),
-              "host": (_str, False, ""), "pid": (_int, False, 0)},
+              "host": (_str, False, ""), "pid": (_int, False, 0), "transports": (_names, False, [])},
     "ping": {},
     "put": {"key": (_key, True, None), "size": (_int, True, None), "meta": (_map, True, None),
             "if_absent": (_bool, False, False), "pin": (_bool, False, False), "mode": (_mode, True, None),
@@ -142,6 +160,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "stats": {},
     "ls": {"prefix": (lambda v, n: "" if v == "" else _str(v, n), False, ""), "limit": (_int, False, 100000)},
     "wait": {"keys": (_keys, True, None), "timeout": (_seconds, True, None)},
+    "ucx_connect": {"address": (_bin, True, None), "via": (_via, False, "auto")},
+    "ucx_claim": {"conn": (_int, True, None)},
 }
 
 

@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
 fi
-"$PY" -m pip install -q -e ".[test,fast,cluster,bench]"
+"$PY" -m pip install -q -e ".[test,fast,cluster,bench,ucx]"
 if ! command -v redis-server >/dev/null 2>&1; then
     if command -v apt-get >/dev/null 2>&1; then
         (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null

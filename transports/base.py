@@ -49,10 +49,18 @@ class Transport(Protocol):
 
 
 _REGISTRY: dict[str, Callable[..., Transport]] = {}
+_UNAVAILABLE: dict[str, str] = {}  # known transports that cannot run here, with the reason
 
 
 def register(name: str, factory: Callable[..., Transport]) -> None:
     _REGISTRY[name] = factory
+    _UNAVAILABLE.pop(name, None)
+
+
+def unavailable(name: str, reason: str) -> None:
+    """Record that the known transport ``name`` cannot be used here (``get`` raises with ``reason``)."""
+    if name not in _REGISTRY:
+        _UNAVAILABLE[name] = reason
 
 
 def get(name: str) -> Callable[..., Transport]:
@@ -60,6 +68,8 @@ def get(name: str) -> Callable[..., Transport]:
     try:
         return _REGISTRY[name]
     except KeyError:
+        if name in _UNAVAILABLE:
+            raise TransportUnavailable(f"transport {name!r} is unavailable: {_UNAVAILABLE[name]}") from None
         raise TransportUnavailable(f"unknown transport {name!r}; known: {sorted(_REGISTRY)}") from None
 
 
@@ -72,3 +82,5 @@ def _load_builtin() -> None:
     # Imported on first use, not at package import: no side effects at import time.
     import transports.shm  # noqa: F401
     import transports.tcp  # noqa: F401
+    import transports.ucx  # noqa: F401  (registers "ucx" only when ucxx is installed; never imports it here)
+    import transports.cuda_ipc  # noqa: F401  (registers "cuda_ipc" only when torch is installed; never imports it)
