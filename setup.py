@@ -1,10 +1,11 @@
 """Build of kvstore's native extensions; project metadata lives in pyproject.toml.
 
 * ``kvstore._C`` (pybind11, C++17): CPU gather/scatter of paged-KV blocks. Always built.
-* ``kvstore._C_cuda`` (pybind11 + CUDA): the GPU kernels, linked with the static CUDA runtime so that no
-  runtime library path is needed. Built when ``nvcc`` is found; ``KVSTORE_CUDA=0`` skips it, ``=1`` makes its
-  absence or failure an error. ``KVSTORE_CUDA_ARCHS="80;90"`` picks the SASS targets (PTX for the newest is
-  always embedded as well, so newer GPUs JIT it).
+* ``kvstore._C_cuda`` (pybind11 + CUDA): the GPU kernels and the CUDA runtime helpers of the GPU data path
+  (IPC handles, pinned host ranges, copies and events on a caller's stream), linked with the static CUDA
+  runtime so that no runtime library path is needed. Built when ``nvcc`` is found; ``KVSTORE_CUDA=0`` skips
+  it, ``=1`` makes its absence or failure an error. ``KVSTORE_CUDA_ARCHS="80;90"`` picks the SASS targets (PTX
+  for the newest is always embedded as well, so newer GPUs JIT it).
 
 Neither extension includes torch headers or links torch: the kernels take raw addresses and strides, so the
 build needs no torch and survives torch ABI changes. Extensions compile in parallel (one job per core), and
@@ -155,8 +156,9 @@ def _extensions() -> list[Pybind11Extension]:
     nvcc, cuda_lib = cuda
     exts.append(CudaExtension(
         "kvstore._C_cuda", [str(CSRC / "cuda" / "bindings_cuda.cpp")],
-        cuda_sources=[str(CSRC / "cuda" / "pack_kernels.cu")], nvcc=nvcc,
-        include_dirs=[str(CSRC)], depends=[str(CSRC / "page_plan.h"), str(CSRC / "cuda" / "pack_cuda.h")],
+        cuda_sources=[str(CSRC / "cuda" / "pack_kernels.cu"), str(CSRC / "cuda" / "runtime_cuda.cu")], nvcc=nvcc,
+        include_dirs=[str(CSRC)], depends=[str(CSRC / "page_plan.h"), str(CSRC / "cuda" / "pack_cuda.h"),
+                                           str(CSRC / "cuda" / "cuda_util.h"), str(CSRC / "cuda" / "runtime_cuda.h")],
         cxx_std=17, extra_compile_args=HOST_FLAGS, library_dirs=[str(cuda_lib)],
         libraries=["cudart_static", "rt", "pthread", "dl"],
         # Keep the static runtime's symbols private: torch loads its own libcudart globally, and our calls must

@@ -238,7 +238,7 @@ def connect(url: str, *, timeout: float = 10.0, transport: str = "auto", token: 
 
     ``transport``: "auto" (shm when the daemon shares this host, else tcp), "shm" or "tcp". Every call is
     bounded by ``timeout`` seconds; past it, StoreTimeoutError (a ConnectionError)."""
-    if isinstance(url, str) and url.startswith(("kvcluster://", "kvclusters://")):
+    if isinstance(url, str) and url.startswith(("kvcluster://", "kvclusters://", "kvcluster+sentinel://")):
         from kvstore.cluster.store import ClusterStore
 
         return ClusterStore(url, timeout=timeout, transport=transport, token=token, client_name=client_name)

@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol, Sequence
 
 from kvstore.allocator import Allocator
 from kvstore.errors import (InvalidArgumentError, KeyExistsError, KeyNotFoundError, LeaseError, ObjectBusyError, ObjectTooLargeError,
@@ -25,6 +25,14 @@ from kvstore.meta import ObjectMeta
 class ReplicaState(Enum):
     PENDING = "pending"
     COMPLETE = "complete"
+
+
+class Tier(Enum):
+    """The kind of memory a segment is. Each tier has its own capacity, watermarks and eviction: a put names
+    the tier it needs, and only objects of that tier make room for it."""
+
+    HOST = "host"  # shared host memory (the shm segments)
+    GPU = "gpu"  # device memory of the daemon's GPU (exported to same-host clients by CUDA IPC)
 
 
 @dataclass(slots=True, eq=False)
@@ -129,10 +137,16 @@ class _Client:
 class Master:
     def __init__(self, segment_sizes: list[int], *, high_watermark: float = 0.9, low_watermark: float = 0.8,
                  policy: EvictionPolicy | None = None, alignment: int = 64,
-                 clock: Callable[[], float] = time.monotonic, listener: MasterListener | None = None):
+                 clock: Callable[[], float] = time.monotonic, listener: MasterListener | None = None,
+                 tiers: Sequence[Tier] | None = None):
+        """``tiers[i]`` is the memory kind of segment ``i`` (all host when omitted)."""
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(f"need 0 < low <= high <= 1, got low={low_watermark} high={high_watermark}")
         self.allocators = [Allocator(size, alignment) for size in segment_sizes]
+        self.tiers = list(tiers) if tiers is not None else [Tier.HOST] * len(self.allocators)
+        if len(self.tiers) != len(self.allocators) or not all(isinstance(t, Tier) for t in self.tiers):
+            raise ValueError(f"need one Tier per segment: {len(self.allocators)} segments, tiers {tiers!r}")
+        self._tier_segments = {t: tuple(i for i, s in enumerate(self.tiers) if s is t) for t in set(self.tiers)}
         self.capacity = sum(a.capacity for a in self.allocators)
         self.high, self.low = high_watermark, low_watermark
         self.policy: EvictionPolicy = policy or LRUPolicy()
@@ -179,17 +193,21 @@ class Master:
 
     # ---- puts ---------------------------------------------------------------------------------------
     def begin_put(self, meta: ObjectMeta, client: int, *, if_absent: bool = False, pin: bool = False,
-                  ephemeral: bool = False) -> Replica:
-        """Reserve space for ``meta.size`` bytes; the result is PENDING and invisible until ``commit``.
-        ``ephemeral`` objects are removed when ``client`` goes away (e.g. a producer's liveness claim)."""
+                  ephemeral: bool = False, tier: Tier = Tier.HOST) -> Replica:
+        """Reserve space for ``meta.size`` bytes in a segment of ``tier``; the result is PENDING and invisible
+        until ``commit``. ``ephemeral`` objects are removed when ``client`` goes away (e.g. a producer's
+        liveness claim). Eviction to make room only drops objects of the same tier."""
         if if_absent and self._lookup_live(meta.key) is not None:
             raise KeyExistsError(f"key {meta.key!r} already exists")
-        reserved = self.allocators[0].aligned(meta.size)
-        if reserved > max(a.capacity for a in self.allocators):
-            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
-        if self.used_bytes + reserved > self.high * self.capacity:
-            self._evict_until(int(self.low * self.capacity) - reserved)
-        segment, offset = self._allocate(meta.size)
+        segments = self._segments_of(tier)
+        reserved = self.allocators[segments[0]].aligned(meta.size)
+        capacity = sum(self.allocators[i].capacity for i in segments)
+        if reserved > max(self.allocators[i].capacity for i in segments):
+            where = "" if len(self._tier_segments) == 1 else f" ({tier.value} tier)"
+            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {capacity}{where}")
+        if self._used(segments) + reserved > self.high * capacity:
+            self._evict_until(int(self.low * capacity) - reserved, segments)
+        segment, offset = self._allocate(meta.size, segments)
         replica = Replica(next(self._ids), meta, segment, offset, self.allocators[segment].size_of(offset),
                           client, pinned=pin, if_absent=if_absent, ephemeral=ephemeral)
         self._pending[replica.id] = replica
@@ -322,6 +340,9 @@ class Master:
     def used_bytes(self) -> int:
         return sum(a.used_bytes for a in self.allocators)
 
+    def tier_of(self, replica: Replica) -> Tier:
+        return self.tiers[replica.segment]
+
     def stats(self) -> dict:
         free = sum(a.free_bytes for a in self.allocators)
         largest = max(a.largest_free() for a in self.allocators)
@@ -331,6 +352,9 @@ class Master:
             "expirations": self.expirations, "clients": len(self._clients),
             "fragmentation": 0.0 if free == 0 else round(1.0 - largest / free, 6),
             "high_watermark": self.high, "low_watermark": self.low,
+            "tiers": {t.value: {"capacity_bytes": sum(self.allocators[i].capacity for i in segs),
+                                "used_bytes": self._used(segs), "segments": list(segs)}
+                      for t, segs in sorted(self._tier_segments.items(), key=lambda kv: kv[1])},
         }
 
     # ---- internals ----------------------------------------------------------------------------------
@@ -360,29 +384,39 @@ class Master:
             client.puts.discard(put_id)
         return replica
 
-    def _allocate(self, nbytes: int) -> tuple[int, int]:
+    def _segments_of(self, tier: Tier) -> tuple[int, ...]:
+        try:
+            return self._tier_segments[tier]
+        except KeyError:
+            raise InvalidArgumentError(f"this store holds no {tier.value} memory (its tiers: "
+                                       f"{sorted(t.value for t in self._tier_segments)})") from None
+
+    def _used(self, segments: Sequence[int]) -> int:
+        return sum(self.allocators[i].used_bytes for i in segments)
+
+    def _allocate(self, nbytes: int, segments: Sequence[int]) -> tuple[int, int]:
         while True:
-            for segment, allocator in enumerate(self.allocators):
-                offset = allocator.allocate(nbytes)
+            for segment in segments:
+                offset = self.allocators[segment].allocate(nbytes)
                 if offset is not None:
                     return segment, offset
-            if not self._evict_one():
+            if not self._evict_one(segments):
                 stats = self.stats()
                 raise StoreFullError(
                     f"no room for {nbytes} bytes: {stats['used_bytes']} of {self.capacity} used, "
                     f"{stats['leases']} leases and {stats['pending']} pending puts hold the rest")
 
-    def _evict_until(self, target_used: int) -> None:
-        while self.used_bytes > target_used and self._evict_one():
+    def _evict_until(self, target_used: int, segments: Sequence[int]) -> None:
+        while self._used(segments) > target_used and self._evict_one(segments):
             pass
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, segments: Sequence[int]) -> bool:
         for key in self.policy.victims():
             replica = self._live.get(key)
             if replica is None:
                 self.policy.discard(key)
                 continue
-            if replica.leases or replica.pinned:
+            if replica.leases or replica.pinned or replica.segment not in segments:
                 continue
             self._unlink(replica)
             self.evictions += 1

@@ -14,13 +14,14 @@ import numpy as np
 
 from kvstore.errors import InvalidArgumentError
 from kvstore.meta import ObjectMeta
+from transports.cuda_ipc import DeviceBuffer
 
 
 @dataclass(frozen=True, slots=True)
 class Payload:
     """A value seen as flat bytes, plus what it takes to rebuild it."""
 
-    view: memoryview  # format "B", 1-D, C-contiguous
+    view: memoryview  # format "B", 1-D, C-contiguous (a transports.cuda_ipc.DeviceBuffer for device memory)
     kind: str
     dtype: str | None
     shape: tuple[int, ...] | None
@@ -31,16 +32,26 @@ def _is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+def _not_host(value: Any, what: str) -> InvalidArgumentError:
+    """The error for device memory given to a path that moves host memory only."""
+    kind = f"{value.device.type} tensor" if _is_tensor(value) else type(value).__name__
+    hint = ("connect to a kvstore daemon on this host (transport 'auto', 'cuda_ipc' or 'shm'), which moves CUDA "
+            "tensors; this store takes host memory only" if kind in ("cuda tensor", "DeviceBuffer")
+            else "pass a CPU tensor")
+    return InvalidArgumentError(f"{what} of a {kind}: {hint}")
+
+
 def as_payload(value: Any) -> Payload:
-    """Flat byte view of ``value`` without copying it where it is already contiguous."""
+    """Flat byte view of ``value`` (host memory) without copying it where it is already contiguous."""
     if _is_tensor(value):
         if value.device.type != "cpu":
-            raise InvalidArgumentError(f"put of a {value.device.type} tensor needs a GPU transport; "
-                                       "pass a CPU tensor")
+            raise _not_host(value, "put")
         t = value.detach().contiguous()
         flat = t.reshape(-1).view(_torch().uint8) if t.numel() else _torch().empty(0, dtype=_torch().uint8)
         return Payload(memoryview(flat.numpy()).cast("B"), "torch", str(t.dtype).removeprefix("torch."),
                        tuple(t.shape))
+    if isinstance(value, DeviceBuffer):  # device memory: only the GPU paths take it (kvstore.gpu_client)
+        raise _not_host(value, "put")
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise InvalidArgumentError("numpy arrays of Python objects cannot be stored")
@@ -58,9 +69,11 @@ def as_payload(value: Any) -> Payload:
 
 def writable_view(out: Any) -> memoryview:
     """Flat writable byte view of a ``get_into`` destination (numpy, torch CPU tensor, bytearray, ...)."""
+    if isinstance(out, DeviceBuffer):
+        raise _not_host(out, "get_into")
     if _is_tensor(out):
         if out.device.type != "cpu":
-            raise InvalidArgumentError(f"get_into a {out.device.type} tensor needs a GPU transport")
+            raise _not_host(out, "get_into")
         if not out.is_contiguous():
             raise InvalidArgumentError("get_into needs a contiguous tensor")
         flat = out.detach().reshape(-1)

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "pack_cuda.h"
+#include "runtime_cuda.h"
 
 namespace py = pybind11;
 
@@ -47,6 +48,52 @@ int64_t vector_bytes_entry(uint64_t layer_ptr_bits, int64_t block_stride, const 
   return kvstore::vector_bytes(args);
 }
 
+// The CUDA runtime services of runtime_cuda.h (GPU segments, CUDA IPC, pinned shared memory, copies on a
+// caller's stream). Addresses, streams and events are plain integers; IPC handles are 64-byte `bytes`.
+void bind_runtime(py::module_& m) {
+  namespace rt = kvstore::cudart;
+  const auto gil = py::call_guard<py::gil_scoped_release>();
+  m.def("device_count", &rt::device_count, gil, "Visible CUDA devices; CudaError when no driver or device.");
+  m.def("pci_bus_id", &rt::pci_bus_id, gil, "PCI bus id of a device.", py::arg("device"));
+  m.def("device_by_pci_bus_id", &rt::device_by_pci_bus_id, gil, "Device ordinal (in this process) of a PCI bus id.",
+        py::arg("bus_id"));
+  m.def("mem_get_info", &rt::mem_get_info, gil, "(free, total) bytes of a device's memory.", py::arg("device"));
+  m.def("device_malloc", &rt::device_malloc, gil, "cudaMalloc on a device; returns the address.", py::arg("device"),
+        py::arg("nbytes"));
+  m.def("device_free", &rt::device_free, gil, "cudaFree of an address from device_malloc.", py::arg("device"),
+        py::arg("ptr"));
+  m.def(
+      "ipc_get_handle",
+      [](int device, uintptr_t ptr) {
+        std::string handle;
+        {
+          py::gil_scoped_release release;
+          handle = rt::ipc_get_handle(device, ptr);
+        }
+        return py::bytes(handle);
+      },
+      "The 64-byte CUDA IPC handle of an allocation's base address.", py::arg("device"), py::arg("ptr"));
+  m.def("ipc_open", &rt::ipc_open, gil, "Map another process's allocation by its IPC handle; returns the address.",
+        py::arg("device"), py::arg("handle"));
+  m.def("ipc_close", &rt::ipc_close, gil, "Unmap an address returned by ipc_open.", py::arg("device"), py::arg("ptr"));
+  m.def("host_register", &rt::host_register, gil, "cudaHostRegister (portable) of a host range.", py::arg("ptr"),
+        py::arg("nbytes"));
+  m.def("host_unregister", &rt::host_unregister, gil, "cudaHostUnregister of a registered range.", py::arg("ptr"));
+  m.def("memcpy_async", &rt::memcpy_async, gil, "Enqueue cudaMemcpyAsync(cudaMemcpyDefault) on a stream.",
+        py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("device"), py::arg("stream"));
+  m.def("memcpy_sync", &rt::memcpy_sync, gil, "cudaMemcpy(cudaMemcpyDefault), complete on return.", py::arg("dst"),
+        py::arg("src"), py::arg("nbytes"), py::arg("device"));
+  m.def("event_create", &rt::event_create, gil, "A CUDA event without timing on a device.", py::arg("device"));
+  m.def("event_record", &rt::event_record, gil, "Record an event on a stream.", py::arg("event"), py::arg("device"),
+        py::arg("stream"));
+  m.def("event_synchronize", &rt::event_synchronize, gil, "Wait for an event.", py::arg("event"));
+  m.def("event_query", &rt::event_query, gil, "True when an event has completed.", py::arg("event"));
+  m.def("event_destroy", &rt::event_destroy, gil, "Destroy an event.", py::arg("event"));
+  m.def("copy_and_wait", &rt::copy_and_wait, gil,
+        "Enqueue a copy on a stream, record an event after it and wait for that event.", py::arg("dst"), py::arg("src"),
+        py::arg("nbytes"), py::arg("device"), py::arg("stream"));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C_cuda, m) {
@@ -73,6 +120,7 @@ PYBIND11_MODULE(_C_cuda, m) {
         py::arg("dim_sizes"), py::arg("dim_strides"), py::arg("itemsize"), py::arg("packed"), py::arg("device"),
         py::arg("stream"));
   m.def("sm_count", &kvstore::sm_count, gil, "Multiprocessor count of a CUDA device.", py::arg("device"));
+  bind_runtime(m);
   m.def("vector_bytes", &vector_bytes_entry,
         "Width in bytes of the vector loads/stores a launch with these addresses and strides would use.",
         py::arg("layer_ptr_bits"), py::arg("block_stride"), py::arg("dim_sizes"), py::arg("dim_strides"),

@@ -7,6 +7,7 @@
 #include <array>
 #include <atomic>
 
+#include "cuda_util.h"
 #include "pack_cuda.h"
 
 namespace kvstore {
@@ -16,13 +17,6 @@ constexpr int kThreads = 256;
 constexpr int kWarpSize = 32;
 constexpr int kUnroll = 8;  // vectors in flight per lane: 8 x 16 B = 128 B, 4 KiB per warp
 constexpr int kMaxDevices = 64;
-
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    throw CudaError(std::string("kvstore CUDA error in ") + what + ": " + cudaGetErrorName(status) + ": " +
-                    cudaGetErrorString(status));
-  }
-}
 
 struct KernelArgs {
   PagePlan plan;
@@ -113,22 +107,6 @@ KernelFn pick_kernel(int64_t vec_bytes, bool ids_int64, bool small, bool gather)
     default: return pick_ids<unsigned char>(ids_int64, small, gather);
   }
 }
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);  // best effort: a destructor must not throw
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
 
 // Per-device launch facts, looked up once: multiprocessor count and resident blocks per SM. All kernel
 // instantiations use a handful of registers and no shared memory, so the widest one's occupancy serves all.
