@@ -1,0 +1,164 @@
+"""Peers: connections to other cluster members, pooled per (node, boot epoch), and the member-local ops.
+
+A ``NodeClient`` is a RemoteStore of one member that reads only what that member holds itself (``peer_get``):
+the serving daemon never resolves the key again through the directory, so a stale entry cannot bounce a
+request between nodes. On the same host the data path is the member's shared memory (its index answers without
+a round trip); elsewhere the stream path over TCP, straight into the caller's buffer. Connections of an epoch
+that is gone (the member restarted) are never reused: an old mapping would show the old daemon's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable, Iterator
+
+from kvstore.errors import StoreConnectionError, TransportError
+from kvstore.meta import ObjectMeta
+from kvstore.remote import RemoteStore
+from kvstore.value import KVObject
+from transports.base import TransportFailure
+
+
+class NodeClient(RemoteStore):
+    def __init__(self, node: str, epoch: str, addr: str, **options):
+        super().__init__(addr, **options)
+        self.node, self.epoch = node, epoch
+
+    def read_index(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int, int] | None:
+        """Copy ``key`` through the member's shared-memory index (no round trip): (size, version, checksum),
+        or None when there is no index here (another host) or it does not list the key."""
+        return None if self._index is None else self._index.read_into(key, fit)
+
+    def fetch_into(self, key: str, alloc: Callable[[int], memoryview], expect=None) -> ObjectMeta:
+        """Copy the member's own copy of ``key`` into ``alloc(size)``; return its metadata.
+
+        ``expect`` (a directory entry) lets a same-host read skip the round trip when the index shows that
+        very version. KeyNotFoundError if the member does not hold the key."""
+        if expect is not None and self._index is not None:
+            hit = self._index.read_into(key, alloc)
+            if hit is not None and hit[1] == expect.version and hit[0] == expect.size:
+                return expect.meta
+        try:
+            reply = self._data.get_into(self._conn, {"op": "peer_get", "key": key},
+                                        lambda r: alloc(r["meta"]["size"]))
+        except TransportFailure as exc:
+            raise TransportError(f"get of {key!r} from node {self.node} failed on the {self.transport} path: "
+                                 f"{exc}") from None
+        meta = ObjectMeta.from_wire(reply["meta"])
+        if not reply.get("stream") and "segment" not in reply:
+            alloc(meta.size)  # a zero-byte object still checks the buffer
+        return meta
+
+    def fetch(self, key: str, expect=None) -> KVObject:
+        """A private copy of the member's ``key``."""
+        holder: dict = {}
+
+        def alloc(size: int) -> memoryview:
+            if "buf" not in holder or len(holder["buf"]) != size:
+                holder["buf"] = bytearray(size)
+            return memoryview(holder["buf"])
+
+        meta = self.fetch_into(key, alloc, expect)
+        return KVObject.wrap(holder.get("buf", bytearray()), meta)
+
+    def evict_local(self, key: str) -> bool:
+        return bool(self._conn.call({"op": "peer_evict", "key": key}).get("value"))
+
+
+class PeerPool:
+    """Idle NodeClients per (node, epoch), created on demand; thread-safe. A node that timed out is
+    ``suspect`` for a while (its entries are skipped, so a stopped node costs one timeout, not one per get)."""
+
+    def __init__(self, *, transport: str, timeout: float, token: str | None, client_name: str,
+                 suspect_s: float | None = None, idle_per_node: int = 4):
+        self.options = dict(transport=transport, timeout=timeout, token=token, client_name=client_name)
+        self.suspect_s = suspect_s or timeout
+        self.idle_per_node = idle_per_node
+        self._idle: dict[tuple[str, str], list[NodeClient]] = {}
+        self._suspect: dict[str, tuple[str, float]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def use(self, node: str, epoch: str, addr: str) -> Iterator[NodeClient]:
+        """A client of ``node`` for the duration of the block. A broken connection is closed, not reused;
+        connection failures and timeouts mark the node suspect."""
+        client = self.checkout(node, epoch, addr)
+        try:
+            yield client
+        except (StoreConnectionError, TransportError):
+            self.suspect(node, epoch)
+            client.close()
+            raise
+        except BaseException:
+            self._give(client)
+            raise
+        else:
+            self._give(client)
+
+    def checkout(self, node: str, epoch: str, addr: str) -> NodeClient:
+        """A client kept out of the pool until ``checkin`` (e.g. while it holds a lease)."""
+        client = self._take(node, epoch)
+        if client is None:
+            try:
+                client = NodeClient(node, epoch, addr, **self.options)
+            except (StoreConnectionError, TransportError):
+                self.suspect(node, epoch)
+                raise
+        return client
+
+    def checkin(self, client: NodeClient) -> None:
+        self._give(client)
+
+    def _take(self, node: str, epoch: str) -> NodeClient | None:
+        with self._lock:
+            idle = self._idle.get((node, epoch))
+            while idle:
+                client = idle.pop()
+                if not client._conn.closed:
+                    return client
+                client.close()
+        return None
+
+    def _give(self, client: NodeClient) -> None:
+        with self._lock:
+            idle = self._idle.setdefault((client.node, client.epoch), [])
+            if self._closed or client._conn.closed or len(idle) >= self.idle_per_node:
+                extra = client
+            else:
+                idle.append(client)
+                extra = None
+        if extra is not None:
+            extra.close()
+
+    def suspect(self, node: str, epoch: str, seconds: float | None = None) -> None:
+        with self._lock:
+            self._suspect[node] = (epoch, time.monotonic() + (seconds or self.suspect_s))
+
+    def suspected(self, node: str, epoch: str) -> bool:
+        with self._lock:
+            mark = self._suspect.get(node)
+            if mark is None:
+                return False
+            if mark[0] != epoch or time.monotonic() > mark[1]:
+                del self._suspect[node]
+                return False
+            return True
+
+    def prune(self, live: dict[str, str]) -> None:
+        """Close the connections of members that are gone or rebooted (``live``: node -> epoch)."""
+        with self._lock:
+            dead = [k for k in self._idle if live.get(k[0]) != k[1]]
+            clients = [c for k in dead for c in self._idle.pop(k)]
+        for client in clients:
+            client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            clients = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for client in clients:
+            client.close()
