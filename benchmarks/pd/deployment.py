@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from benchmarks.pd.admission import Admission, Immediate
+from benchmarks.pd.energy import EnergyMeter
+from benchmarks.pd.fault import FaultSpec, recovery_report
 from benchmarks.pd.model import ModelConfig
 from benchmarks.pd.pool import InlinePool, ProcessPool
 from benchmarks.pd.router import Router
@@ -120,24 +123,42 @@ def _store(config: DeploymentConfig, stack: ExitStack,
     return StoreSpec(url=daemon.url, transport=config.transport, **common), daemon
 
 
-def run(config: DeploymentConfig, trace: Trace, out_dir: str | Path, *, progress: bool = False) -> dict:
-    """Serve ``trace`` on ``config``'s deployment in real time; write the outputs; return the summary."""
+def run(config: DeploymentConfig, trace: Trace, out_dir: str | Path, *, progress: bool = False,
+        admission: Admission | None = None, fault: FaultSpec | None = None) -> dict:
+    """Serve ``trace`` on ``config``'s deployment in real time; write the outputs; return the summary.
+
+    ``admission``: the router's admission policy (default: none, every request sent at once); ``fault``: a
+    worker to kill during the run (needs worker processes). A worker that dies is replaced (worker
+    processes only) and its requests re-fetched or re-prefilled; see router.py."""
     out_dir = Path(out_dir)
     trace.check_fits(config.max_request_tokens)
+    if fault is not None and config.inline:
+        raise ValueError("fault injection kills a worker process; it cannot run with inline workers")
     out_dir.mkdir(parents=True, exist_ok=True)
     cache = config.worker_specs(None)[0].cache_spec
     cpu0: dict[str, float | None] = {}
+    meter = EnergyMeter()
     with ExitStack() as stack:
         store, daemon = _store(config, stack, out_dir)
         pool = InlinePool(config.worker_specs(store)) if config.inline else ProcessPool(config.worker_specs(store))
         bar = stack.enter_context(_progress(len(trace.requests), config.arch.value, progress))
 
         def on_begin() -> None:
+            meter.start()
             cpu0.update(router=time.process_time(), daemon=daemon.cpu_seconds() if daemon else None)
 
+        def on_finish(record) -> None:
+            bar.update(1)
+            if not router.unfinished:
+                meter.stop()  # the serving window ends with the last request, before the shutdown
+
         router = Router(trace, pool, config.policies(), lambda n: cache.blocks_for(n) * cache.block_bytes,
-                        on_finish=lambda record: bar.update(1), on_begin=on_begin)
+                        on_finish=on_finish, on_begin=on_begin, admission=admission, fault=fault,
+                        respawn=not config.inline,
+                        refetch=config.arch is Arch.DISAGGREGATED and config.handoff_prefix_keys)
         records, stats = router.run()
+        meter.stop()
+        store_stats = _store_stats(daemon)
         cpu = {"router": time.process_time() - cpu0["router"]}
         daemon_end = daemon.cpu_seconds() if daemon is not None else None
         if daemon_end is not None and cpu0["daemon"] is not None:
@@ -147,11 +168,28 @@ def run(config: DeploymentConfig, trace: Trace, out_dir: str | Path, *, progress
     summary["cpu_s"] = {"workers": {str(s["worker"]): s["cpu_s"] for s in stats},
                         **{k: round(v, 3) for k, v in cpu.items()},
                         "note": "process CPU seconds from the run's start to its end (start-up excluded); "
-                                "inline workers share the router's process"}
+                                "inline workers share the router's process; a killed worker's are lost"}
+    summary["energy"] = meter.result()
+    summary["admission"] = (admission or Immediate()).describe()
+    summary["fault"] = recovery_report(router.fault_log, [r.to_json() for r in records])
+    summary["respawned_workers"] = router.respawned_info
     if daemon is not None:
+        summary["store"] = store_stats
         summary["store_daemon_exit_code"] = daemon.exit_code
     _write_outputs(out_dir, records, summary, stats)
     return summary
+
+
+def _store_stats(daemon: StoreDaemon | None) -> dict | None:
+    """The hand-off store's occupancy after the run: fetched prefix-keyed chunks stay until their TTL."""
+    if daemon is None:
+        return None
+    import kvstore
+
+    with kvstore.connect(daemon.url, timeout=5.0) as client:
+        s = client.stats()
+    return {"used_bytes_at_end": s["used_bytes"], "objects_at_end": s["objects"],
+            "capacity_bytes": s["capacity_bytes"]}
 
 
 def _write_outputs(out_dir: Path, records: list, summary: dict, stats: list[dict]) -> None:

@@ -60,6 +60,7 @@ class StepOutcome:
 
     finished: list[Request] = field(default_factory=list)
     handed_off: list[Request] = field(default_factory=list)
+    prefilled: list[Request] = field(default_factory=list)  # collocated: prompt done, first token out
     failed: list[Request] = field(default_factory=list)
     event: StepEvent | None = None
 
@@ -98,7 +99,9 @@ class Engine:
         if self.policy is Policy.DECODE_ONLY:
             transfer_s = self._fetch_admitted(plan.admitted, plan.chunks, outcome)
         if plan.chunks:
-            self._run_chunks(plan.chunks, start)
+            prefilled = self._run_chunks(plan.chunks, start)
+            if self.policy is not Policy.PREFILL_ONLY:
+                outcome.prefilled = prefilled
             transfer_s += self._collect(plan.chunks, outcome)
         if not plan:
             return outcome
@@ -126,8 +129,9 @@ class Engine:
                 chunks.append(Chunk(request, request.num_tokens - 1, 1))
         return spent
 
-    def _run_chunks(self, chunks: list[Chunk], start: float) -> None:
-        seqs, ids = [], []
+    def _run_chunks(self, chunks: list[Chunk], start: float) -> list[Request]:
+        """Run the model over ``chunks``; returns the requests whose prompt completed in this step."""
+        seqs, ids, prefilled = [], [], []
         for chunk in chunks:
             request = chunk.request
             if chunk.is_prefill and request.times.prefill_start_s is None:
@@ -146,8 +150,10 @@ class Engine:
             if chunk.is_prefill:
                 request.times.prefill_end_s = now
                 request.phase = Phase.DECODING
+                prefilled.append(request)
             request.output_ids.append(token)
             request.times.token_times_s.append(now)
+        return prefilled
 
     def _collect(self, chunks: list[Chunk], outcome: StepOutcome) -> float:
         """Retire finished requests; prefill role: publish those whose prompt just completed."""

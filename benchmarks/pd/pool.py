@@ -17,6 +17,22 @@ from benchmarks.pd.channel import Channel, ChannelClosedError
 from benchmarks.pd.worker import IDLE_WAIT_S, Worker, WorkerSpec, process_main
 
 
+#: what the worker processes' parent (the forkserver) imports once, so that each worker does not
+WORKER_PRELOAD = ("torch", "torch._dynamo", "kvstore.handoff", "benchmarks.pd.worker")
+
+
+def _mp_context():
+    """Workers fork from a forkserver that has imported torch and the store once, so a worker starts in well
+    under a second instead of importing torch anew (seconds each on a busy 2-core machine). The forkserver
+    holds no model, no tensors and no threads of ours; it starts on first use and ends with this process.
+    Spawn where there is no forkserver."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(WORKER_PRELOAD))
+    return ctx
+
+
 class WorkerPool(Protocol):
     def start(self) -> list[dict]: ...  # build every worker; their ``ready`` infos in index order
 
@@ -28,28 +44,43 @@ class WorkerPool(Protocol):
 
     def stop(self) -> list[dict]: ...  # every live worker's ``stats``; the pool is unusable afterwards
 
+    def kill(self, index: int) -> None: ...  # SIGKILL one worker (fault injection); reported ``lost``
+
+    def respawn(self, index: int) -> None: ...  # replace a lost worker; its ``ready`` arrives via pump
+
     def abort(self) -> None: ...  # tear everything down now, collecting nothing (after an error)
 
 
 class ProcessPool:
-    """One spawned process per worker, each talking msgpack over its own pipe."""
+    """One process per worker, each talking msgpack over its own pipe."""
 
     def __init__(self, specs: list[WorkerSpec], ready_timeout_s: float = 180.0):
         self.specs = specs
         self.ready_timeout_s = ready_timeout_s
         self.procs: dict[int, Any] = {}
         self.chans: dict[int, Channel] = {}
+        self.ready: set[int] = set()  # built and warmed up (a replacement may still be starting)
 
     def start(self) -> list[dict]:
-        ctx = mp.get_context("spawn")
         for spec in self.specs:
-            parent, child = ctx.Pipe()
-            frame = msgpack.packb(spec.to_wire(), use_bin_type=True)
-            proc = ctx.Process(target=process_main, args=(frame, child), name=f"pd-worker-{spec.index}", daemon=True)
-            proc.start()
-            child.close()
-            self.procs[spec.index], self.chans[spec.index] = proc, Channel(parent)
+            self._spawn(spec)
         return [self._await_ready(spec.index) for spec in self.specs]
+
+    def _spawn(self, spec: WorkerSpec) -> None:
+        ctx = _mp_context()
+        parent, child = ctx.Pipe()
+        frame = msgpack.packb(spec.to_wire(), use_bin_type=True)
+        proc = ctx.Process(target=process_main, args=(frame, child), name=f"pd-worker-{spec.index}", daemon=True)
+        proc.start()
+        child.close()
+        self.procs[spec.index], self.chans[spec.index] = proc, Channel(parent)
+
+    def respawn(self, index: int) -> None:
+        """Start a replacement for a worker that was reported ``lost``; its ``ready`` message (with the
+        same ``worker`` index) comes through :meth:`pump` once it is built and warmed up."""
+        if index in self.procs:
+            raise ValueError(f"worker {index} is still running; only a lost worker can be respawned")
+        self._spawn(self.specs[index])
 
     def _await_ready(self, index: int) -> dict:
         deadline = time.monotonic() + self.ready_timeout_s
@@ -59,6 +90,7 @@ class ProcessPool:
                 if msg.pop("op") != "ready":
                     raise RuntimeError(f"worker {index} sent a message before 'ready'")
                 msg.pop("v", None)
+                self.ready.add(index)
                 return msg
             if not self.procs[index].is_alive():
                 raise RuntimeError(f"worker {index} exited with code {self.procs[index].exitcode} while starting")
@@ -79,6 +111,8 @@ class ProcessPool:
             try:
                 while self.chans[index].poll(0):
                     out.append(self.chans[index].recv())
+                    if out[-1]["op"] == "ready":
+                        self.ready.add(index)
             except ChannelClosedError:
                 out.append(self._lost(index))
         return out
@@ -88,6 +122,7 @@ class ProcessPool:
         self.procs[index].kill()
 
     def _lost(self, index: int) -> dict:
+        self.ready.discard(index)
         proc = self.procs.pop(index)
         self.chans.pop(index).close()
         proc.join(timeout=5)
@@ -96,6 +131,9 @@ class ProcessPool:
     def stop(self) -> list[dict]:
         stats = []
         for index, chan in list(self.chans.items()):
+            if index not in self.ready:  # a replacement still starting: it has served nothing
+                self.procs[index].kill()
+                continue
             try:
                 chan.send("stop")
                 stats.append(self._await_stats(index))
@@ -160,6 +198,12 @@ class InlinePool:
         if not busy:
             time.sleep(min(max(timeout, 0.0), IDLE_WAIT_S))
         return [msg for w in busy for msg in w.step()]
+
+    def kill(self, index: int) -> None:
+        raise NotImplementedError("fault injection needs worker processes (ProcessPool), not an inline pool")
+
+    def respawn(self, index: int) -> None:
+        raise NotImplementedError("an inline pool cannot lose, so cannot respawn, a worker")
 
     def stop(self) -> list[dict]:
         stats = [w.stats() for w in self.workers]

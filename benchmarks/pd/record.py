@@ -9,7 +9,10 @@ Times are seconds since the run's start. Definitions (the same for every archite
 - ``decode_queue_s``: KV ready for decoding (collocated: prefill end, so 0; disaggregated: publish done) ->
   admitted by the decode worker.
 - ``transfer_s``: publish (gather + put + commit) plus fetch (wait + get + checks + scatter); 0 collocated.
-- ``kv_bytes``: bytes of the prompt's KV pages; ``kv_bytes_transferred`` is that when handed off, else 0.
+- ``kv_bytes``: bytes of the prompt's KV pages; ``kv_bytes_transferred`` is that when handed off (once more
+  for every re-fetch after a decode worker died), else 0.
+- A request interrupted by a dead worker is timed by the attempt that completed it (the client's stream
+  restarts): re-prefilled (``recomputed``) or, disaggregated, re-fetched from the store (``refetched``).
 - ``tpot_s``: (last token time - first token time) / (output tokens - 1).
 """
 
@@ -40,6 +43,7 @@ class RequestRecord:
     output_token_ids: list[int] = field(default_factory=list)
     attempts: int = 0
     recomputed: int = 0
+    refetched: int = 0
     finished: bool = False
     lost: bool = False
     errors: list[str] = field(default_factory=list)
@@ -79,6 +83,14 @@ class RequestRecord:
         self.publish_s = self.fetch_s = 0.0
         self.token_times_s, self.output_token_ids = [], []
 
+    def refetch(self, reason: str) -> None:
+        """Its decode worker died after the hand-off: decoding starts over from the store's copy of the KV."""
+        self.errors.append(reason)
+        self.refetched += 1
+        self.decode_worker = self.decode_admit_s = None
+        self.fetch_s = 0.0
+        self.token_times_s, self.output_token_ids = [], self.output_token_ids[:1]
+
     @property
     def ttft_s(self) -> float | None:
         return self.token_times_s[0] - self.arrival_s if self.token_times_s else None
@@ -109,8 +121,9 @@ class RequestRecord:
             "decode_queue_s": delta(self.decode_ready_s, self.decode_admit_s),
             "decode_admit_s": r6(self.decode_admit_s), "token_times_s": [round(t, 6) for t in self.token_times_s],
             "output_token_ids": self.output_token_ids, "kv_bytes": self.kv_bytes,
-            "kv_bytes_transferred": self.kv_bytes if self.handed_off else 0,
+            "kv_bytes_transferred": self.kv_bytes * (1 + self.refetched) if self.handed_off else 0,
             "transfer_s": round(transfer, 6), "publish_s": round(self.publish_s, 6),
-            "fetch_s": round(self.fetch_s, 6), "recomputed": self.recomputed, "lost": self.lost,
+            "fetch_s": round(self.fetch_s, 6), "recomputed": self.recomputed, "refetched": self.refetched,
+            "lost": self.lost,
             "errors": self.errors,
         }

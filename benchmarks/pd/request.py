@@ -40,6 +40,9 @@ class Request:
     phase: Phase = Phase.WAITING
     times: RequestTimes = field(default_factory=RequestTimes)
     error: str | None = None
+    # decode role: the KV was fetched once already by a worker that died; fetch it again from the store's
+    # prefix chunks (the hand-off's request record is gone once fetched)
+    refetch: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

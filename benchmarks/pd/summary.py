@@ -44,6 +44,7 @@ def _transfer(rows: list[dict]) -> dict:
         "kv_bytes_transferred": sum(r["kv_bytes_transferred"] for r in rows),
         "kv_bytes_produced": sum(r["kv_bytes"] for r in rows if not r["lost"]),
         "handoffs": len(moved),
+        "refetches": sum(r.get("refetched", 0) for r in rows),  # KV fetched again after a decode worker died
         "transfer_s": distribution([r["transfer_s"] for r in moved]),
         "publish_s": distribution([r["publish_s"] for r in moved]),
         "fetch_s": distribution([r["fetch_s"] for r in moved]),

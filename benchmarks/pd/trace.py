@@ -29,6 +29,7 @@ class Workload(Enum):
     SHORT = "short"
     LONG = "long"
     MIXED = "mixed"
+    BURST = "burst"  # interactive short requests, and a background burst of long documents a third of the way in
 
 
 class TraceFormat(Enum):
@@ -55,6 +56,7 @@ class WorkloadSpec:
     long_prompt: tuple[int, int] = (640, 1024)
     long_output: tuple[int, int] = (8, 24)
     long_klass: str = "interactive"  # request class of the long requests (issue 5: a background burst)
+    burst_window_s: float | None = None  # long requests all arrive within this window instead of by Poisson
 
 
 #: default rates sized for the default model on two single-threaded workers of this class of CPU
@@ -62,6 +64,8 @@ WORKLOADS = {
     Workload.SHORT: WorkloadSpec(rate_rps=6.0, long_fraction=0.0),
     Workload.LONG: WorkloadSpec(rate_rps=1.5, long_fraction=1.0),
     Workload.MIXED: WorkloadSpec(rate_rps=3.0, long_fraction=0.25, long_klass="background"),
+    Workload.BURST: WorkloadSpec(rate_rps=3.0, long_fraction=0.25, long_output=(16, 48), long_klass="background",
+                                 burst_window_s=1.0),
 }
 
 
@@ -172,11 +176,15 @@ def generate(workload: Workload, num_requests: int, *, seed: int = 0, vocab_size
             raise ValueError(f"rate_rps must be > 0, got {rate_rps}")
         spec = replace(spec, rate_rps=rate_rps)
     rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / spec.rate_rps, num_requests))
-    arrivals -= arrivals[0]
+    if spec.burst_window_s is not None:
+        arrivals, longs = _burst_arrivals(rng, spec, num_requests)
+    else:
+        arrivals = np.cumsum(rng.exponential(1.0 / spec.rate_rps, num_requests))
+        arrivals -= arrivals[0]
+        longs = None
     items = []
     for i in range(num_requests):
-        is_long = rng.random() < spec.long_fraction
+        is_long = rng.random() < spec.long_fraction if longs is None else bool(longs[i])
         p_lo, p_hi = spec.long_prompt if is_long else spec.short_prompt
         o_lo, o_hi = spec.long_output if is_long else spec.short_output
         src_in, src_out = int(rng.integers(p_lo, p_hi + 1)), int(rng.integers(o_lo, o_hi + 1))
@@ -184,6 +192,20 @@ def generate(workload: Workload, num_requests: int, *, seed: int = 0, vocab_size
         klass = spec.long_klass if is_long else "interactive"
         items.append((float(arrivals[i]), _random_tokens(seed, i, n_in, vocab_size), n_out, src_in, src_out, klass))
     return _finish(workload.value, f"poisson:{workload.value}@{spec.rate_rps}rps", items, scaling, seed)
+
+
+def _burst_arrivals(rng: np.random.Generator, spec: WorkloadSpec, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Short requests by Poisson at ``rate_rps``; ``long_fraction`` of ``n`` (at least one) arrive uniformly in
+    ``burst_window_s`` seconds starting a third of the way into the short requests' span."""
+    n_long = min(n, max(1, round(n * spec.long_fraction)))
+    short = np.cumsum(rng.exponential(1.0 / spec.rate_rps, n - n_long))
+    short -= short[0] if len(short) else 0.0
+    start = short[-1] / 3 if len(short) else 0.0
+    burst = start + np.sort(rng.uniform(0.0, spec.burst_window_s, n_long))
+    arrivals = np.concatenate([short, burst])
+    longs = np.concatenate([np.zeros(len(short), bool), np.ones(n_long, bool)])
+    order = np.argsort(arrivals, kind="stable")
+    return arrivals[order], longs[order]
 
 
 def read_mooncake(path: str | Path, *, num_requests: int | None = None, seed: int = 0, vocab_size: int = 4096,

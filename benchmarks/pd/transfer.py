@@ -83,9 +83,24 @@ class KVTransfer:
 
     def fetch(self, request: Request, cache: PagedKVCache, block_ids: list[int]) -> float:
         start = time.monotonic()
+        if request.refetch and self._refetch(request, cache, block_ids):
+            return time.monotonic() - start
         self._handoff.fetch(request.id, cache.layers, block_ids, timeout=self.spec.fetch_timeout_s,
                             num_tokens=request.num_prompt)
         return time.monotonic() - start
+
+    def _refetch(self, request: Request, cache: PagedKVCache, block_ids: list[int]) -> bool:
+        """Recovery after a decode worker died: its request's hand-off record was consumed by the dead
+        worker's fetch, but prefix-keyed chunks stay in the store until their TTL, so the whole prompt's KV
+        can be fetched again by token prefix. False when it cannot (request-scoped keys, or chunks gone);
+        the caller then tries the hand-off record, which is still there if the dead worker never fetched it."""
+        if not self.spec.prefix_keys:
+            return False
+        fetched = self._handoff.fetch_prefix(request.prompt_ids, cache.layers, block_ids)
+        if fetched != request.num_prompt:
+            return False
+        self._handoff.cancel(request.id)  # the hand-off record, if the dead worker had not fetched it yet
+        return True
 
     def close(self) -> None:
         self._handoff.close()

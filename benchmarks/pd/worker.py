@@ -1,10 +1,11 @@
 """An engine worker: builds the model and engine for one role and turns router messages into engine work.
 
-The same :class:`Worker` runs inside a spawned process (:func:`process_main`, one torch thread, so total
+The same :class:`Worker` runs in its own process (:func:`process_main`, one torch thread, so total
 compute is countable) or inline in the router's process (tests, ``--inline``).
 
 Router -> worker messages: ``add`` (a new request to prefill), ``decode`` (a prefilled request to fetch and
-decode), ``start`` (the run's clock origin), ``stop``. Worker -> router: ``ready``, ``finished``,
+decode; ``refetch`` when a dead decode worker had fetched it before), ``start`` (the run's clock origin),
+``stop``. Worker -> router: ``ready``, ``prefilled`` (collocated: a prompt is done), ``finished``,
 ``handed_off``, ``failed``, and ``stats`` (timeline and memory figures) in answer to ``stop``.
 """
 
@@ -112,7 +113,7 @@ class Worker:
             raise ValueError(f"worker {self.spec.index}: unknown message op {msg['op']!r}")
         r = msg["req"]
         request = Request(r["id"], list(r["prompt_ids"]), int(r["max_output"]),
-                          output_ids=list(r.get("output_ids", [])))
+                          output_ids=list(r.get("output_ids", [])), refetch=bool(r.get("refetch", False)))
         if msg["op"] == "decode" and len(request.output_ids) != 1:
             raise ValueError(f"decode of {request.id} needs exactly the first output token, got {request.output_ids}")
         self.engine.add(request)
@@ -122,7 +123,9 @@ class Worker:
         outcome: StepOutcome = self.engine.step()
         if outcome.event is not None:
             self.timeline.append(outcome.event.to_wire())
-        out = [{"op": "finished", "req": request_to_wire(r)} for r in outcome.finished]
+        out = [{"op": "prefilled", "req": {"id": r.id, "prefill_end_s": r.times.prefill_end_s}}
+               for r in outcome.prefilled]
+        out += [{"op": "finished", "req": request_to_wire(r)} for r in outcome.finished]
         out += [{"op": "handed_off", "req": request_to_wire(r)} for r in outcome.handed_off]
         out += [{"op": "failed", "req": request_to_wire(r)} for r in outcome.failed]
         for m in out:
