@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine check (offline, < 5 min on one H200): build the CUDA extension, run the CUDA tests, run the
-# kernel benchmark, then print one table with a line per check.
+# kernel benchmark, run the GPU data-path tests (cuda_ipc between processes, GPU segments, device<->host
+# through shared memory) and their benchmark, then print one table with a line per check.
 #
 #   bash benchmarks/gpu_check.sh            # logs and JSON go to $OUT if set (device tool), else ./results/gpu_check
 #
@@ -75,10 +76,21 @@ print("; ".join(f"{r['op']} {r['blocks']} blk: {r['op_gbps']:.0f} GB/s op, {r['k
 EOF
 }
 
+cuda_ipc_tests() {  # needs the conftest: these tests start real daemons
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_ipc.py -x || return 1
+    tail -n 1 "$LOG_DIR/cuda_ipc_tests.log" >"$SUMMARY" 2>/dev/null || true
+}
+
+bench_cuda_ipc() {  # store put/get_into of CUDA tensors vs a raw copy: cuda_ipc vs D2D, shm vs pinned D2H/H2D
+    "$PY" -m benchmarks.bench_cuda_ipc --json "$LOG_DIR/bench_cuda_ipc.json" --summary "$SUMMARY"
+}
+
 run_check gpu_info gpu_info
 run_check build_cuda build_cuda
 run_check cuda_tests cuda_tests
 run_check bench_pages_cuda bench_pages_cuda
+run_check cuda_ipc_tests cuda_ipc_tests
+run_check bench_cuda_ipc bench_cuda_ipc
 # (append transport and store checks here)
 
 print_table  # the benchmark's full table is in $LOG_DIR/bench_pages_cuda.log, its rows in bench_pages_cuda.json

@@ -1,8 +1,8 @@
 """GpuClient: ``put`` / ``batch_put`` / ``get_into`` of device memory for :class:`kvstore.remote.RemoteStore`
 (a mixin placed before :class:`kvstore.client.KVStore`).
 
-Device values are torch CUDA tensors (or :class:`transports.cuda_ipc.DeviceBuffer`\\ s); host values go to the
-base class unchanged. On a ``cuda_ipc`` connection they move device-to-device through the daemon's GPU
+Device values are torch CUDA tensors (or :class:`transports.cuda_ipc.DeviceBuffer` objects); host values go
+to the base class unchanged. On a ``cuda_ipc`` connection they move device-to-device through the daemon's GPU
 segments; on ``shm`` device-to-host through its shared memory; other paths refuse them with
 InvalidArgumentError before anything is sent. Copies run on the caller's current CUDA stream and have completed
 when the call returns.
