@@ -277,19 +277,18 @@ class KVHandoff:
 
     def _read_chunks(self, meta: RequestMeta) -> torch.Tensor:
         packed = torch.empty(ops.packed_shape(self.layout, meta.num_blocks), dtype=self.layout.dtype)
-        b0 = 0
-        for key, n, checksum in zip(meta.chunk_keys, meta.chunk_blocks, meta.checksums):
-            chunk = packed[b0:b0 + n]
-            try:
-                self.store.get_into(key, chunk)
-            except KeyNotFoundError:
-                raise HandoffAbortedError(f"request {meta.request_id!r}: chunk {key} is gone "
-                                          "(evicted or expired); recompute") from None
+        bounds = [sum(meta.chunk_blocks[:i]) for i in range(len(meta.chunk_blocks) + 1)]
+        chunks = [packed[b0:b1] for b0, b1 in zip(bounds, bounds[1:])]
+        try:
+            self.store.batch_get_into(list(meta.chunk_keys), chunks)  # one directory lookup in a cluster
+        except KeyNotFoundError as exc:
+            raise HandoffAbortedError(f"request {meta.request_id!r}: a chunk is gone (evicted or expired): "
+                                      f"{exc}; recompute") from None
+        for key, chunk, checksum in zip(meta.chunk_keys, chunks, meta.checksums):
             actual = xxhash.xxh3_64_intdigest(memoryview(chunk.view(torch.uint8).reshape(-1).numpy()))
             if actual != checksum:
                 raise HandoffAbortedError(f"request {meta.request_id!r}: chunk {key} has checksum {actual:#x}, "
                                           f"the producer published {checksum:#x}; nothing was written")
-            b0 += n
         return packed
 
     def _drop(self, meta: RequestMeta, keep_chunks: bool) -> None:
