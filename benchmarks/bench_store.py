@@ -33,13 +33,18 @@ DEFAULT_SIZES = "4KiB,64KiB,1MiB,16MiB,64MiB"
 
 
 @contextlib.contextmanager
-def daemon(capacity: str):
+def daemon(capacity: str, extra_listen: tuple[str, ...] = ()):
+    """A real ``kvstore serve`` on a temporary Unix socket and a free loopback port (plus ``extra_listen``
+    addresses); yields (unix_url, tcp_url) and stops it with SIGTERM."""
     tmp = tempfile.mkdtemp(prefix="kvbench-")
     sock = os.path.join(tmp, "kv.sock")
     with socket_port() as port:
         pass
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix://{sock}",
-                             "--listen", f"tcp://127.0.0.1:{port}", "--capacity", capacity, "--log-level", "warning"])
+    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix://{sock}", "--listen",
+           f"tcp://127.0.0.1:{port}", "--capacity", capacity, "--log-level", "warning"]
+    for url in extra_listen:
+        cmd += ["--listen", url]
+    proc = subprocess.Popen(cmd)
     try:
         deadline = time.monotonic() + 30
         while True:

@@ -24,11 +24,8 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Callable, Iterator
 
@@ -36,7 +33,8 @@ import numpy as np
 
 import kvstore
 from benchmarks.baseline import RawSocket, Timing, prefaulted
-from benchmarks.bench_store import machine, socket_port
+from benchmarks.bench_store import daemon as store_daemon
+from benchmarks.bench_store import machine
 from kvstore.units import format_size, parse_size
 
 DEFAULT_SIZES = "4KiB,64KiB,1MiB,16MiB,256MiB"
@@ -74,29 +72,8 @@ def interleaved(fns: list[Callable[[], object]], size: int, rounds: int = 8) -> 
 
 @contextlib.contextmanager
 def daemon(capacity: str, ucx: bool) -> Iterator[tuple[str, str]]:
-    tmp = tempfile.mkdtemp(prefix="kvbench-")
-    sock = os.path.join(tmp, "kv.sock")
-    with socket_port() as port:
-        pass
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix://{sock}", "--listen",
-           f"tcp://127.0.0.1:{port}", "--capacity", capacity, "--log-level", "warning"]
-    if ucx:
-        cmd += ["--listen", "ucx://127.0.0.1:0"]
-    proc = subprocess.Popen(cmd)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                kvstore.connect(f"unix://{sock}", timeout=2).close()
-                break
-            except kvstore.StoreConnectionError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("daemon did not start")
-                time.sleep(0.05)
-        yield f"unix://{sock}", f"tcp://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    with store_daemon(capacity, ("ucx://127.0.0.1:0",) if ucx else ()) as urls:
+        yield urls
 
 
 def ucx_available() -> str | None:

@@ -329,20 +329,28 @@ class Server:
         for key in keys:
             if self.master.exists(key):
                 return key
-        fut = asyncio.get_running_loop().create_future()
-        for key in keys:
-            self.waiters.setdefault(key, []).append(fut)
+        fut = self.add_waiter(keys)
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             return None
         finally:
-            for key in keys:
-                futs = self.waiters.get(key)
-                if futs and fut in futs:
-                    futs.remove(fut)
-                    if not futs:
-                        del self.waiters[key]
+            self.forget_waiter(keys, fut)
+
+    def add_waiter(self, keys: list[str]) -> asyncio.Future:
+        """A future resolved (by ``on_published``) with the first of ``keys`` to be committed."""
+        fut = asyncio.get_running_loop().create_future()
+        for key in keys:
+            self.waiters.setdefault(key, []).append(fut)
+        return fut
+
+    def forget_waiter(self, keys: list[str], fut: asyncio.Future) -> None:
+        for key in keys:
+            futs = self.waiters.get(key)
+            if futs and fut in futs:
+                futs.remove(fut)
+                if not futs:
+                    del self.waiters[key]
 
 
 def _remove_stale_socket(path: str) -> None:

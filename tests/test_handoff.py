@@ -49,7 +49,6 @@ def test_roundtrip_into_reordered_blocks(hstore):
     src = child.caches(12, seed=1)
     dst = zeros(12)
     h = KVHandoff(hstore, LAYOUT, chunk_blocks=2)
-    base = hstore.stats()["used_bytes"]
     tokens = list(range(5 * BS - 3))
     h.publish("r1", src, [7, 2, 9, 0, 4], num_tokens=len(tokens), token_ids=tokens).wait()
     meta = h.fetch("r1", dst, [11, 3, 5, 1, 8], num_tokens=len(tokens))

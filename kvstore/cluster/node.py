@@ -299,9 +299,7 @@ class ClusterServer(Server):
 
     async def wait_for(self, keys: list[str], timeout: float) -> str | None:
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        for key in keys:
-            self.waiters.setdefault(key, []).append(fut)
+        fut = self.add_waiter(keys)
         deadline = loop.time() + timeout
         try:
             while True:
@@ -320,12 +318,7 @@ class ClusterServer(Server):
                 except asyncio.TimeoutError:
                     continue
         finally:
-            for key in keys:
-                futs = self.waiters.get(key)
-                if futs and fut in futs:
-                    futs.remove(fut)
-                    if not futs:
-                        del self.waiters[key]
+            self.forget_waiter(keys, fut)
 
     def stats(self) -> dict:
         out = super().stats()
