@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -21,29 +20,21 @@ from kvstore.units import parse_size
 from kvstore.value import KVObject, Payload, as_payload, writable_view
 
 checksum_of = xxhash.xxh3_64_intdigest
-#: payloads this large are hashed on a worker thread while the caller copies them (both release the GIL)
-PARALLEL_DIGEST_MIN = 1 << 20
-_digest_pool: ThreadPoolExecutor | None = None
 
 
 class Digest:
-    """The xxh3-64 of a payload, recorded at commit. Large payloads hash in parallel with the copy."""
+    """The xxh3-64 of a payload, recorded at commit, computed once when first asked for: after the copy on
+    the shared-memory path, so the tail of the source is still in cache. (Hashing on a second thread while
+    copying was measured slower here: the two compete for memory bandwidth.)"""
 
     def __init__(self, view: memoryview):
-        global _digest_pool
-        self._value: int | None = None
-        self._future = None
-        if len(view) >= PARALLEL_DIGEST_MIN:
-            if _digest_pool is None:
-                _digest_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-digest")
-            self._future = _digest_pool.submit(checksum_of, view)
-        else:
-            self._value = checksum_of(view)
+        self._view: memoryview | None = view
+        self._value = 0
 
     def __call__(self) -> int:
-        if self._future is not None:
-            self._value, self._future = self._future.result(), None
-        return self._value  # type: ignore[return-value]
+        if self._view is not None:
+            self._value, self._view = checksum_of(self._view), None
+        return self._value
 
 
 @dataclass(frozen=True, slots=True)
