@@ -106,6 +106,13 @@ class Allocator:
         self._insert_free(start, end - start)
         return size
 
+    def hole_if_freed(self, offset: int) -> int:
+        """Size of the free block that freeing the allocation at ``offset`` would leave (with its neighbours)."""
+        size = self._used[offset]
+        before = offset - self._free_end[offset] if offset in self._free_end else 0
+        after = self._free_start.get(offset + size, 0)
+        return before + size + after
+
     def size_of(self, offset: int) -> int:
         return self._used[offset]
 

@@ -400,7 +400,7 @@ class Master:
                 offset = self.allocators[segment].allocate(nbytes)
                 if offset is not None:
                     return segment, offset
-            if not self._evict_one(segments):
+            if not self._evict_one(segments, room_for=nbytes):
                 stats = self.stats()
                 raise StoreFullError(
                     f"no room for {nbytes} bytes: {stats['used_bytes']} of {self.capacity} used, "
@@ -410,7 +410,17 @@ class Master:
         while self._used(segments) > target_used and self._evict_one(segments):
             pass
 
-    def _evict_one(self, segments: Sequence[int]) -> bool:
+    #: how many of the least recently used objects an allocation looks through for one whose space, joined
+    #: with the free blocks beside it, already fits the request (instead of evicting in strict LRU order
+    #: until a hole big enough appears, which empties a fragmented store for one large put)
+    FIT_WINDOW = 64
+
+    def _evict_one(self, segments: Sequence[int], room_for: int | None = None) -> bool:
+        """Evict one unleased, unpinned object of ``segments``: the least recently used one or, when
+        ``room_for`` bytes must fit, the least recently used among the first FIT_WINDOW whose freeing
+        leaves a hole that large."""
+        first: Replica | None = None
+        seen = 0
         for key in self.policy.victims():
             replica = self._live.get(key)
             if replica is None:
@@ -418,10 +428,20 @@ class Master:
                 continue
             if replica.leases or replica.pinned or replica.segment not in segments:
                 continue
-            self._unlink(replica)
-            self.evictions += 1
-            return True
-        return False
+            if first is None:
+                first = replica
+            allocator = self.allocators[replica.segment]
+            seen += 1
+            if room_for is None or allocator.hole_if_freed(replica.offset) >= allocator.aligned(room_for):
+                first = replica
+                break
+            if seen >= self.FIT_WINDOW:
+                break
+        if first is None:
+            return False
+        self._unlink(first)
+        self.evictions += 1
+        return True
 
     def _unlink(self, replica: Replica) -> None:
         """Stop showing ``replica``; free its space now, or when its last lease goes."""

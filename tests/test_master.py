@@ -177,3 +177,31 @@ def test_silent_clients(env):
 def test_watermarks_validated():
     with pytest.raises(ValueError):
         Master([4096], high_watermark=0.5, low_watermark=0.8)
+
+
+def test_eviction_prefers_an_object_whose_space_fits_the_put():
+    # 8 objects of 8 KiB fill 64 KiB; the oldest are small and scattered, so strict LRU would evict many
+    m = Master([64 * 1024], high_watermark=1.0, low_watermark=1.0)
+    c = m.register_client()
+    for i in range(8):
+        put(m, c, f"s{i}", 8 * 1024)
+    for key in ("s2", "s4", "s6"):
+        m.remove(key)  # 8 KiB holes at 16, 32 and 48 KiB; no hole of 16 KiB anywhere
+    put(m, c, "big", 16 * 1024)
+    # s0 is the least recently used, but freeing it leaves only 8 KiB (s1 is live beside it); s1 sits
+    # next to a hole, so evicting it alone makes room. Strict LRU would have evicted both.
+    assert m.exists("big")
+    assert m.evictions == 1
+    assert m.exists("s0") and not m.exists("s1")
+
+
+def test_hole_if_freed():
+    from kvstore.allocator import Allocator
+
+    a = Allocator(4096, alignment=64)
+    x, y, z = a.allocate(64), a.allocate(128), a.allocate(64)
+    assert a.hole_if_freed(y) == 128
+    a.free(x)
+    assert a.hole_if_freed(y) == 192
+    a.free(z)
+    assert a.hole_if_freed(y) == 4096
