@@ -25,7 +25,6 @@ import pytest
 import torch
 
 import kvstore
-import transports
 from conftest import HELPERS, Daemon, MiB, child_env, short_tmpdir, wait_until
 from kvstore import (BufferTooSmallError, InvalidArgumentError, KeyNotFoundError, ObjectTooLargeError,
                      TransportError)
