@@ -119,7 +119,7 @@ def test_fingerprint_is_a_golden_value():
 def test_fingerprint_is_stable_across_processes():
     code = ("import torch; from kvstore import KVLayout; "
             "print(KVLayout(kind='vllm_flash_nhd', num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, "
-            f"dtype=torch.bfloat16, model_id='llama-3-8b').fingerprint())")
+            "dtype=torch.bfloat16, model_id='llama-3-8b').fingerprint())")
     digests = set()
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
