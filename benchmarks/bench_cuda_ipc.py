@@ -35,7 +35,7 @@ except ImportError:  # bench_transports imports this module to ask whether it ca
 
 import kvstore
 from benchmarks.baseline import Timing, measure
-from kvstore import gpu
+from kvstore.gpu import runtime as gpu
 from kvstore.units import format_size, parse_size
 
 DEFAULT_SIZES = "4KiB,64KiB,1MiB,16MiB,256MiB"

@@ -29,7 +29,6 @@ from typing import Callable
 import torch
 
 from kvstore import KVLayout, KVLayoutKind, ops
-
 DEFAULT_BLOCKS = {"cpu": "1,4,16,64,256", "cuda": "1,8,64,512,2048"}
 TARGETS = {"cpu": (0.8, 2.0), "cuda": (0.7, 3.0)}  # (x memcpy, x torch loop), for pages >= 16 KiB
 MIN_TARGET_PAGE = 16 << 10

@@ -79,7 +79,7 @@ def daemon(capacity: str, ucx: bool) -> Iterator[tuple[str, str]]:
 def ucx_available() -> str | None:
     """None when the ucx transport can run here, else why not."""
     try:
-        from transports.ucx import load
+        from kvstore.transports.ucx import load
 
         load()
     except Exception as exc:  # TransportUnavailable, or a broken install

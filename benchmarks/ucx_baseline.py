@@ -1,6 +1,6 @@
 """RawUcx: the physical baseline of the ucx transport, raw ucxx tag send/recv between two processes with the
 same UCX configuration as the store's path (``UCX_TLS`` from the environment for both; the peer's context
-uses the daemon's options, ``transports.ucx_server.context_config()``; endpoints by worker address without
+uses the daemon's options, ``kvstore.transports.ucx_server.context_config()``; endpoints by worker address without
 error handling, or through a listener with it, like ``KVSTORE_UCX_CONNECT=address|listener``).
 
 ``peer_memory="shm"`` puts the peer's buffer in POSIX shared memory like a daemon segment (4 KiB pages: a
@@ -30,7 +30,7 @@ def _wait(worker, requests) -> None:
 
 
 def _setup(config: dict):
-    from transports.ucx import load
+    from kvstore.transports.ucx import load
 
     lib, array = load()
     context = lib.UCXContext(config, feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP))
@@ -42,13 +42,13 @@ def _setup(config: dict):
 def _peer_buffer(max_size: int, memory: str) -> memoryview:
     if memory == "anon":
         return memoryview(prefaulted(max_size))
-    from transports.shm import SharedMemory
+    from kvstore.memory.shm import SharedMemory
 
     return SharedMemory.create(f"kvbench-{os.getpid()}", max_size, unlink_now=True).buf
 
 
 def _peer(conn, max_size: int, via: str, memory: str) -> None:
-    from transports.ucx_server import context_config
+    from kvstore.transports.ucx_server import context_config
 
     lib, array, context, worker = _setup(context_config())
     accepted: list = []

@@ -11,10 +11,10 @@ from kvstore.errors import __all__ as _error_names
 __version__ = "0.1.0"
 
 _LAZY = {
-    "KVStore": ("kvstore.client", "KVStore"),
-    "KVObject": ("kvstore.client", "KVObject"),
-    "connect": ("kvstore.client", "connect"),
-    "ObjectMeta": ("kvstore.meta", "ObjectMeta"),
+    "KVStore": ("kvstore.client.store", "KVStore"),
+    "KVObject": ("kvstore.client.store", "KVObject"),
+    "connect": ("kvstore.api", "connect"),
+    "ObjectMeta": ("kvstore.core.meta", "ObjectMeta"),
     "KVLayout": ("kvstore.layout", "KVLayout"),
     "KVLayoutKind": ("kvstore.layout", "KVLayoutKind"),
     "ops": ("kvstore.ops", None),

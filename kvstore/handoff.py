@@ -5,7 +5,7 @@ Store objects of one request (``rid`` = request id):
 - ``kvp/<fp16>/<hash>``  one chunk of ``chunk_blocks`` packed blocks (block-major, all layers; see
   docs/kv_layout.md). With token ids the key is a chained blake2b over the chunk's token ids, the previous
   chunk's key and the layout fingerprint: a shared prompt prefix has the same keys (prefix reuse).
-- ``hf/<rid>/meta``      the :class:`~kvstore.meta.RequestMeta` (msgpack): written in the same all-or-nothing
+- ``hf/<rid>/meta``      the :class:`~kvstore.core.meta.RequestMeta` (msgpack): written in the same all-or-nothing
   batch as the chunks, so it is visible only once every chunk is.
 - ``hf/<rid>/claim``     an ephemeral object the producer holds while publishing; if it vanishes before the
   meta appears, the producer died.
@@ -29,11 +29,11 @@ import torch
 import xxhash
 
 from kvstore import ops
-from kvstore.client import KVStore
+from kvstore.client.store import KVStore
 from kvstore.errors import (HandoffAbortedError, HandoffTimeoutError, InvalidArgumentError, KeyNotFoundError,
                             LayoutMismatchError, ObjectBusyError)
 from kvstore.layout import KVLayout
-from kvstore.meta import RequestMeta
+from kvstore.core.meta import RequestMeta
 
 STATUS_GRACE_S = 600.0  # status records outlive their request by this long, so "expired" can be shown
 _POLL_SLICE_S = 0.25  # how often a waiting consumer also checks that the producer is still alive

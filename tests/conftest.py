@@ -28,8 +28,9 @@ from typing import Callable, Iterator
 import pytest
 
 import kvstore
+import paths as _paths
 
-HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+HELPERS = str(_paths.HELPERS)
 STORE_KINDS = ("embedded", "daemon-shm", "daemon-tcp")
 MiB = 1 << 20
 
@@ -53,7 +54,7 @@ def shm_segments(pid: int) -> list[str]:
 def child_env() -> dict:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(_paths.ROOT)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

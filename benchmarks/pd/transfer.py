@@ -46,7 +46,6 @@ class StoreSpec:
 def kv_layout(cache_spec: CacheSpec, model_id: str) -> Any:
     """The ``kvstore.KVLayout`` describing a :class:`PagedKVCache` of ``cache_spec``."""
     from kvstore import KVLayout, KVLayoutKind
-
     return KVLayout(kind=KVLayoutKind.VLLM_FLASH_NHD, num_layers=cache_spec.num_layers,
                     num_kv_heads=cache_spec.num_kv_heads, head_dim=cache_spec.head_dim,
                     block_size=cache_spec.block_size, dtype=cache_spec.dtype, model_id=model_id)

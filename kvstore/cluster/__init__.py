@@ -9,7 +9,7 @@ from __future__ import annotations
 
 _LAZY = {
     "ClusterStore": "kvstore.cluster.store",
-    "ClusterServer": "kvstore.cluster.node",
+    "ClusterServer": "kvstore.cluster.daemon.node",
     "ClusterConfig": "kvstore.cluster.config",
 }
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from kvstore.errors import InvalidArgumentError
-from kvstore.url import Endpoint
+from kvstore.protocol.url import Endpoint
 
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
 PEER_TRANSPORTS = ("auto", "tcp", "shm", "ucx")

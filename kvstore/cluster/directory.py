@@ -19,7 +19,7 @@ import msgpack
 
 from kvstore.cluster.config import Names
 from kvstore.errors import InvalidArgumentError
-from kvstore.meta import ObjectMeta
+from kvstore.core.meta import ObjectMeta
 
 # ARGV: namespace, node, epoch, then (op, key, value) triples; op 'p' = publish value, 'u' = unpublish.
 # Returns {seq}, or {-1} when the node's record does not carry this epoch (lapsed or replaced: fenced off).

@@ -15,10 +15,10 @@ import time
 from typing import Callable, Iterator
 
 from kvstore.errors import StoreConnectionError, TransportError
-from kvstore.meta import ObjectMeta
-from kvstore.remote import RemoteStore
-from kvstore.value import KVObject
-from transports.base import TransportFailure
+from kvstore.core.meta import ObjectMeta
+from kvstore.client.remote import RemoteStore
+from kvstore.core.value import KVObject
+from kvstore.transports.base import TransportFailure
 
 
 class NodeClient(RemoteStore):

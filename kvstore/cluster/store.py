@@ -27,16 +27,17 @@ from enum import Enum
 from typing import Any, Callable, Sequence
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from kvstore.client import Digest, KVStore, PutFlags
+from kvstore.client.store import KVStore, PutFlags
+from kvstore.core.digest import Digest
 from kvstore.cluster.config import Names, check_name, open_redis, redact
 from kvstore.cluster.directory import Directory, Entry
 from kvstore.cluster.membership import MEMBERS_LUA, NodeRecord, members_args, parse_members, redis_failure
 from kvstore.cluster.peers import NodeClient, PeerPool
 from kvstore.errors import (BufferTooSmallError, InvalidArgumentError, KeyNotFoundError, StoreConnectionError,
                             StoreFullError, StoreTimeoutError, TransportError)
-from kvstore.meta import ObjectMeta, validate_key
-from kvstore.url import host_id
-from kvstore.value import KVObject, Payload, writable_view
+from kvstore.core.meta import ObjectMeta, validate_key
+from kvstore.protocol.url import host_id
+from kvstore.core.value import KVObject, Payload, writable_view
 
 MEMBERS_MAX_AGE_S = 1.0
 _OPTIONS = ("node", "placement", "replicas", "namespace")

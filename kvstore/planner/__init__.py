@@ -9,7 +9,7 @@ from kvstore.planner.deployment import Arch, Deployment
 from kvstore.planner.metrics import SLO, Metrics, RequestResult
 from kvstore.planner.plan import PlanConfig, Planner
 from kvstore.planner.simulator import SimResult, Simulator
-from kvstore.planner.trace import Trace, TraceRequest
+from kvstore.workloads.trace import Trace, TraceRequest
 
 __all__ = ["Arch", "CostModel", "Deployment", "Metrics", "PlanConfig", "Planner", "RequestResult", "SLO",
            "SimResult", "Simulator", "Trace", "TraceRequest", "TransferModel"]

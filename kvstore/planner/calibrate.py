@@ -15,7 +15,7 @@ import numpy as np
 
 from kvstore.planner.costmodel import CostModel, TransferModel
 from kvstore.planner.deployment import Arch
-from kvstore.planner.runlog import RunLog
+from kvstore.workloads.runlog import RunLog
 from kvstore.planner.samples import StepSample, decode_samples, prefill_samples
 
 OVERLAPS = (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -16,7 +16,7 @@ from kvstore.planner.metrics import SLO, Metrics, summarize
 from kvstore.planner.presets import CALIBRATED, cost_model_for, transfer_for
 from kvstore.planner.simulator import SimResult, Simulator
 from kvstore.planner.specs import Efficiency, GPUSpec, LinkSpec, ModelSpec
-from kvstore.planner.trace import Trace
+from kvstore.workloads.trace import Trace
 
 MIN_KV_TOKENS = 32768  # auto tp keeps at least this much KV room per worker (or the longest request)
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvstore.planner.costmodel import prefill_pairs
 from kvstore.planner.deployment import Arch
-from kvstore.planner.runlog import RunLog
+from kvstore.workloads.runlog import RunLog
 
 
 @dataclass(frozen=True, slots=True)

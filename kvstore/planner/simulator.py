@@ -21,7 +21,7 @@ from typing import Callable
 from kvstore.planner.costmodel import CostModel, TransferModel
 from kvstore.planner.deployment import Arch, Deployment
 from kvstore.planner.metrics import GapHistogram, RequestResult
-from kvstore.planner.trace import Trace
+from kvstore.workloads.trace import Trace
 from kvstore.planner.roles import ChunkedWorker, ColocatedWorker, DecodeWorker, PrefillWorker
 from kvstore.planner.worker import SimRequest, Worker
 

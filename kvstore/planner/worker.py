@@ -23,7 +23,7 @@ from kvstore.planner.prefixcache import PrefixCache
 
 if TYPE_CHECKING:
     from kvstore.planner.simulator import Simulator
-    from kvstore.planner.trace import TraceRequest
+    from kvstore.workloads.trace import TraceRequest
 
 
 class SimRequest:

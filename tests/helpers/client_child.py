@@ -22,9 +22,9 @@ import time
 import numpy as np
 
 import kvstore
-from kvstore import wire
-from kvstore.meta import ObjectMeta
-from kvstore.url import Endpoint, host_id
+from kvstore.protocol import wire
+from kvstore.core.meta import ObjectMeta
+from kvstore.protocol.url import Endpoint, host_id
 
 
 def pattern(key: str, size: int) -> bytes:
@@ -39,7 +39,7 @@ def hang() -> None:
 
 
 def put_region(url: str, key: str, size: int) -> None:
-    import transports.shm as shm
+    import kvstore.transports.shm as shm
 
     def half_copy(dst: memoryview, src: memoryview) -> None:
         half = len(src) // 2

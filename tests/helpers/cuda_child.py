@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 
 import kvstore  # noqa: E402
 from client_child import pattern  # noqa: E402
-from transports.cuda_ipc import DeviceBuffer  # noqa: E402
+from kvstore.memory.device import DeviceBuffer  # noqa: E402
 
 
 def device_array(data: np.ndarray, backend: str):

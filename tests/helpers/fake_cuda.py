@@ -13,8 +13,8 @@ import ctypes
 import itertools
 import os
 
-from transports.cuda_ipc import address_of
-from transports.shm import SHM_DIR, SharedMemory
+from kvstore.memory.device import address_of
+from kvstore.memory.shm import SHM_DIR, SharedMemory
 
 PREFIX = "kvfakegpu-"
 BUS_ID = "0000:00:00.0"

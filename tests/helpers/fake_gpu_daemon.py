@@ -10,10 +10,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fake_cuda  # noqa: E402
 
-import kvstore.gpu  # noqa: E402
+import kvstore.gpu.runtime  # noqa: E402
 
-kvstore.gpu._native = fake_cuda
+kvstore.gpu.runtime._native = fake_cuda
 
-from kvstore.cli import main  # noqa: E402
+from kvstore.cli.main import main  # noqa: E402
 
 sys.exit(main(["serve", *sys.argv[1:]]))

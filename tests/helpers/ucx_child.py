@@ -15,7 +15,7 @@ import sys
 
 import kvstore
 from client_child import hang, pattern  # this directory is on sys.path: the script's own
-from transports.ucx import UcxTransport
+from kvstore.transports.ucx import UcxTransport
 
 
 def stall(url: str, key: str, size: int) -> None:

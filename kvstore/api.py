@@ -1,0 +1,22 @@
+"""``kvstore.connect``: a client of a ``kvstore serve`` daemon, or of a cluster of them."""
+
+from __future__ import annotations
+
+from kvstore.client.store import KVStore
+
+
+def connect(url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
+            client_name: str = "") -> KVStore:
+    """Connect to a ``kvstore serve`` daemon at ``unix:///path`` or ``tcp://host:port``, or to a cluster of
+    them at ``kvcluster://[:PASSWORD@]REDIS_HOST:PORT/DB`` (``kvclusters://`` for Redis over TLS; options
+    ``?node=NAME&placement=local|balanced&replicas=N``, see kvstore.cluster.store).
+
+    ``transport``: "auto" (shm when the daemon shares this host, else tcp), "shm" or "tcp". Every call is
+    bounded by ``timeout`` seconds; past it, StoreTimeoutError (a ConnectionError)."""
+    if isinstance(url, str) and url.startswith(("kvcluster://", "kvclusters://", "kvcluster+sentinel://")):
+        from kvstore.cluster.store import ClusterStore
+
+        return ClusterStore(url, timeout=timeout, transport=transport, token=token, client_name=client_name)
+    from kvstore.client.remote import RemoteStore
+
+    return RemoteStore(url, timeout=timeout, transport=transport, token=token, client_name=client_name)

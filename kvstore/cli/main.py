@@ -1,0 +1,215 @@
+"""The ``kvstore`` command: ``serve`` the daemon, and inspect or edit a running one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Callable
+
+from kvstore.errors import KVStoreError
+from kvstore.units import format_size, parse_size
+
+DEFAULT_URL = os.environ.get("KVSTORE_URL", "unix:///tmp/kvstore.sock")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvstore.daemon.server import ServerConfig, run
+
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+        if not token:
+            raise KVStoreError(f"token file {args.token_file} is empty")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(listen=tuple(args.listen or ["unix:///tmp/kvstore.sock"]), capacity=parse_size(args.capacity),
+                          metrics_port=args.metrics_port, token=token, insecure=args.insecure,
+                          high_watermark=args.high_watermark, low_watermark=args.low_watermark,
+                          heartbeat_timeout=args.heartbeat_timeout, gpu_capacity=parse_size(args.gpu_capacity),
+                          device=args.device)
+    if args.cluster:
+        from kvstore.cli.cluster import serve as serve_cluster
+
+        return serve_cluster(args, config)
+    return run(config)
+
+
+def _client(args: argparse.Namespace):
+    from kvstore.api import connect
+
+    token = None
+    if getattr(args, "token_file", None):
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    return connect(args.url, timeout=args.timeout, token=token, transport=args.transport, client_name="kvstore-cli")
+
+
+def _stats(args: argparse.Namespace) -> int:
+    with _client(args) as store:
+        stats = store.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    used, cap = stats["used_bytes"], stats["capacity_bytes"]
+    print(f"capacity      {format_size(cap)}\nused          {format_size(used)} ({100 * used / max(cap, 1):.1f} %)")
+    for name in ("objects", "pending", "leases", "evictions", "expirations", "clients", "fragmentation"):
+        print(f"{name:<14}{stats[name]}")
+    for conn in stats.get("connections", []):
+        print(f"client        {conn['client']} via {conn['transport']} ({conn['peer']})")
+    return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    with _client(args) as store:
+        for key in store.keys(args.prefix):
+            print(key)
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    with _client(args) as store:
+        info = store.inspect(args.key)
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+    else:
+        for name, value in info.items():
+            print(f"{name:<18}{value}")
+    return 0
+
+
+def _put(args: argparse.Namespace) -> int:
+    with open(args.file, "rb") as f:
+        data = f.read()
+    with _client(args) as store:
+        meta = store.put(args.key, data, ttl=args.ttl)
+    print(f"stored {args.key} ({format_size(meta.size)}, xxh3 {meta.checksum:016x})")
+    return 0
+
+
+def _get(args: argparse.Namespace) -> int:
+    with _client(args) as store:
+        obj = store.get(args.key, verify=True)
+        data = bytes(obj)
+    if args.file == "-":
+        sys.stdout.buffer.write(data)
+    else:
+        with open(args.file, "wb") as f:
+            f.write(data)
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    with _client(args) as store:
+        removed = store.remove(args.key)
+    if not removed:
+        print(f"{args.key}: not found", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _requests(args: argparse.Namespace) -> int:
+    from kvstore.handoff import KVHandoff
+
+    with _client(args) as store:
+        records = KVHandoff.requests(store)
+    if args.json:
+        print(json.dumps(records, indent=2, sort_keys=True))
+        return 0
+    print(f"{'request':<24} {'state':<11} {'bytes':>10} {'chunks':>6} {'tokens':>7} {'age s':>8}  layout")
+    for r in sorted(records, key=lambda r: r["created"]):
+        print(f"{r['request_id'][:24]:<24} {r['state']:<11} {format_size(r['bytes']):>10} {r['chunks']:>6} "
+              f"{r['num_tokens']:>7} {r['age_s']:>8.1f}  {r['model_id']} {r['layout']} {r['fingerprint'][:12]}")
+    return 0
+
+
+def _client_parser(sub, name: str, help_text: str, handler: Callable[[argparse.Namespace], int]):
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    p.add_argument("--url", default=DEFAULT_URL, help="daemon address (default %(default)s; env KVSTORE_URL)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default %(default)s)")
+    p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "ucx"], help="data path")
+    p.add_argument("--token-file", help="file holding the daemon's token")
+    p.set_defaults(handler=handler)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore", description="KV-cache store for LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the daemon", description="Run the kvstore daemon until SIGTERM/SIGINT.")
+    p.add_argument("--listen", action="append", metavar="URL",
+                   help="unix:///path or tcp://host:port (control and data), or ucx://host:port (the UCX data "
+                        "endpoint; needs ucxx; clients choose it with transport='ucx'); repeatable "
+                        "(default unix:///tmp/kvstore.sock)")
+    p.add_argument("--capacity", default="1GiB", help="host memory for objects, e.g. 8GiB (default %(default)s)")
+    p.add_argument("--gpu-capacity", default="0", metavar="SIZE",
+                   help="GPU memory for objects put from CUDA tensors, e.g. 8GiB: same-host clients reach it by "
+                        "CUDA IPC (transport cuda_ipc); needs a CUDA GPU (default 0: none)")
+    p.add_argument("--device", type=int, metavar="N", help="CUDA device of --gpu-capacity (default 0)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    p.add_argument("--token-file", help="require this token from clients (needed for non-loopback TCP)")
+    p.add_argument("--insecure", action="store_true", help="allow non-loopback TCP without a token")
+    p.add_argument("--high-watermark", type=float, default=0.9, help="start evicting above this fill fraction")
+    p.add_argument("--low-watermark", type=float, default=0.8, help="evict down to this fill fraction")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="drop a client silent this many seconds (default %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from kvstore.cli.cluster import add_serve_arguments
+
+    add_serve_arguments(p)
+    p.set_defaults(handler=_serve)
+
+    p = _client_parser(sub, "stats", "show the daemon's capacity, usage and clients", _stats)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = _client_parser(sub, "ls", "list keys", _ls)
+    p.add_argument("prefix", nargs="?", default="", help="only keys starting with this")
+    p = _client_parser(sub, "inspect", "show one object's size, dtype/shape, checksum, state, leases, age, TTL, "
+                       "segment and offset", _inspect)
+    p.add_argument("key")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = _client_parser(sub, "put", "store a file's bytes under KEY", _put)
+    p.add_argument("key")
+    p.add_argument("file")
+    p.add_argument("--ttl", type=float, help="expire after this many seconds")
+    p = _client_parser(sub, "get", "write KEY's bytes to FILE ('-' for stdout), checksum verified", _get)
+    p.add_argument("key")
+    p.add_argument("file")
+    p = _client_parser(sub, "rm", "remove KEY (exit 1 if absent)", _rm)
+    p.add_argument("key")
+    p = _client_parser(sub, "requests", "list prefill->decode hand-offs: published / publishing / fetched / "
+                       "cancelled / aborted / expired, bytes, chunks, layout, age", _requests)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub) -> None:
+    """Commands whose modules may be absent in a trimmed install."""
+    try:
+        from kvstore.planner import cli as planner_cli
+    except ImportError:
+        return
+    p = sub.add_parser("plan", help="simulate the three deployments on hardware this machine does not have",
+                       description="Discrete-event planner: colocated vs chunked vs disaggregated.")
+    planner_cli.add_arguments(p)
+    p.set_defaults(handler=planner_cli.run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except KVStoreError as exc:
+        print(f"kvstore {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

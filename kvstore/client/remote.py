@@ -1,0 +1,235 @@
+"""RemoteStore: a client of ``kvstore serve`` over a Unix socket or TCP, with a pluggable data path.
+
+Small objects (up to ``INLINE_MAX``) travel inline on the control connection: one round trip. Larger ones
+take the negotiated transport (``shm``: one copy into or out of the mapped segment). On the same host a
+``get_into`` first tries the daemon's shared-memory index: no round trip at all.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+from kvstore import transports
+from kvstore.client.store import KVStore, PutFlags
+from kvstore.core.digest import Digest
+from kvstore.errors import InvalidArgumentError, ObjectTooLargeError, StoreConnectionError, TransportError
+from kvstore.client.device import GpuClient
+from kvstore.memory.index import IndexReader
+from kvstore.core.meta import ObjectMeta
+from kvstore.client.rpc import Connection
+from kvstore.protocol.url import Endpoint, host_id
+from kvstore.core.value import KVObject, Payload
+from kvstore.transports.base import TransportFailure
+from kvstore.memory.device import DeviceBuffer
+from kvstore.memory.shm import SharedMemory, SharedMemoryError
+from kvstore.transports.shm import ShmTransport
+from kvstore.transports.tcp import StreamTransport
+
+INLINE_MAX = 64 << 10
+
+
+class RemoteStore(GpuClient, KVStore):
+    def __init__(self, url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
+                 client_name: str = ""):
+        self.endpoint = Endpoint.parse(url)
+        if self.endpoint.scheme == "ucx":
+            raise InvalidArgumentError(f"{url} is a daemon's UCX data endpoint; connect to its unix:// or tcp:// "
+                                       "address with transport='ucx'")
+        self.timeout = timeout
+        self._token = token
+        self._waiter: Connection | None = None  # wait() blocks on its own connection
+        self._waiter_lock = threading.Lock()
+        self._conn = Connection(self.endpoint, timeout)
+        self._index: IndexReader | None = None
+        self._index_shm: SharedMemory | None = None
+        try:
+            hello = self._conn.call({"op": "hello", "client": client_name or f"pid-{os.getpid()}",
+                                     "token": token, "transport": transport, "host": host_id(),
+                                     "pid": os.getpid(), "transports": transports.names()})
+            self.transport = hello["transport"]
+            segments = {sid: (name, size) for sid, name, size in hello["segments"]}
+            self._data = transports.get(self.transport)(segments)
+            self._inline = StreamTransport()
+            if isinstance(self._data, ShmTransport):  # shm, and cuda_ipc (which maps the same memory)
+                self._index_shm = SharedMemory.attach(*hello["index"])
+                self._index = IndexReader(self._index_shm.buf, self._data.region)
+        except (TransportFailure, SharedMemoryError) as exc:
+            self._conn.close()
+            raise TransportError(str(exc)) from None
+        except BaseException:
+            self._conn.close()
+            raise
+        self.capacity = hello["capacity"]
+        self.client_id = hello["client_id"]
+        self.producer = f"{host_id()}:{os.getpid()}:{self.client_id}"
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, args=(hello["heartbeat_s"] / 3,),
+                                           name="kvstore-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self, period: float) -> None:
+        while not self._stop.wait(period):
+            try:
+                self._conn.try_call({"op": "ping"})
+            except Exception:
+                return  # the next real call reports the failure
+
+    def _path(self, size: int):
+        return self._inline if size <= INLINE_MAX else self._data
+
+    def _call(self, op: str, **fields: Any) -> Any:
+        return self._conn.call({"op": op, **fields}).get("value")
+
+    # ---- primitives ---------------------------------------------------------------------------------
+    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: PutFlags) -> ObjectMeta:
+        reply = self._send_put(meta, payload, digest, flags, defer=False)
+        return meta.with_commit(digest(), reply["version"], reply["created"])
+
+    def _send_put(self, meta: ObjectMeta, payload: Payload, digest: Digest, flags: PutFlags, defer: bool) -> dict:
+        if meta.size > self.capacity:
+            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
+        request = {"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(),
+                   "if_absent": flags.if_absent, "pin": flags.pin, "ephemeral": flags.ephemeral, "defer": defer}
+        try:
+            if isinstance(payload.view, DeviceBuffer):  # see GpuClient
+                return self._device_path().put_device(self._conn, request, payload.view, digest)
+            return self._path(meta.size).put(self._conn, request, payload.view, digest)
+        except TransportFailure as exc:
+            raise TransportError(f"put of {meta.key!r} failed on the {self.transport} path: {exc}") from None
+
+    def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
+                  flags: PutFlags) -> list[ObjectMeta]:
+        pending: list[dict] = []
+        try:
+            for (meta, payload), digest in zip(items, digests):
+                pending.append(self._send_put(meta, payload, digest, flags, defer=True))
+            reply = self._conn.call({"op": "commit_many", "put_ids": [p["put_id"] for p in pending],
+                                     "checksums": [p.get("checksum") for p in pending]})
+        except BaseException:
+            if not self._conn.closed:
+                for p in pending[:len(pending)]:
+                    try:
+                        self._conn.call({"op": "abort", "put_id": p["put_id"]})
+                    except Exception:
+                        pass  # already aborted by a failed commit_many, or the connection is gone
+            raise
+        return [meta.with_commit(digest(), v, c)
+                for (meta, _), digest, v, c in zip(items, digests, reply["versions"], reply["created"])]
+
+    def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
+        if self._index is not None:
+            hit = self._index.read_into(key, fit)
+            if hit is not None:
+                return hit[0], hit[2]
+        reply = self._read(key, lambda r: fit(r["meta"]["size"]), self._data)
+        meta = reply["meta"]
+        if not reply.get("stream"):
+            fit(meta["size"])  # a zero-byte object still checks the buffer
+        return meta["size"], meta["checksum"]
+
+    def _read(self, key: str, dst: Callable[[dict], memoryview], path) -> dict:
+        request = {"op": "get", "key": key}
+        try:
+            return path.get_into(self._conn, request, dst)
+        except TransportFailure as exc:
+            raise TransportError(f"get of {key!r} failed on the {self.transport} path: {exc}") from None
+
+    def _get(self, key: str, *, copy: bool) -> KVObject:
+        if not isinstance(self._data, ShmTransport):
+            holder: dict = {}
+            reply = self._read(key, lambda r: holder.setdefault("buf", memoryview(bytearray(r["meta"]["size"]))),
+                               self._data)
+            return KVObject.wrap(holder.get("buf", b""), ObjectMeta.from_wire(reply["meta"]))
+        reply = self._conn.call({"op": "get", "key": key, "mode": "region"})
+        meta = ObjectMeta.from_wire(reply["meta"])
+        try:
+            region = self._data.region(reply["segment"], reply["offset"], reply["size"])
+        except BaseException:
+            self._conn.queue_release(reply["lease"])
+            raise
+        if not copy:
+            lease = reply["lease"]
+            return KVObject.wrap(region, meta, on_release=lambda: self._conn.queue_release(lease))
+        try:
+            return KVObject.wrap(bytearray(region), meta)
+        finally:
+            region.release()
+            self._conn.queue_release(reply["lease"])
+
+    def _lease(self, key: str) -> tuple[Any, ObjectMeta]:
+        reply = self._conn.call({"op": "lease", "key": key})
+        return reply["lease"], ObjectMeta.from_wire(reply["meta"])
+
+    def _release(self, handle: Any) -> None:
+        if not self._conn.closed:
+            self._conn.call({"op": "release", "lease": handle})
+
+    # ---- metadata -----------------------------------------------------------------------------------
+    def _exists(self, key: str) -> bool:
+        return self._call("exists", key=key)
+
+    def _batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._call("batch_exists", keys=list(keys))
+
+    def _evict(self, key: str) -> bool:
+        return self._call("evict", key=key)
+
+    def _remove(self, key: str) -> bool:
+        return self._call("remove", key=key)
+
+    def _wait(self, keys: Sequence[str], timeout: float) -> str | None:
+        # A wait may block for its whole timeout: it gets a connection of its own (opened on first use), so
+        # it neither holds up this client's other calls nor starves its heartbeat.
+        with self._waiter_lock:
+            if self._waiter is None or self._waiter.closed:
+                waiter = Connection(self.endpoint, self.timeout)
+                try:
+                    waiter.call({"op": "hello", "client": f"{self.producer}/wait", "token": self._token,
+                                 "transport": "tcp", "host": host_id(), "pid": os.getpid()})
+                except BaseException:
+                    waiter.close()
+                    raise
+                self._waiter = waiter
+            return self._waiter.call({"op": "wait", "keys": list(keys), "timeout": timeout},
+                                     timeout=timeout + self.timeout).get("value")
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return self._call("ls", prefix=prefix)
+
+    def _inspect(self, key: str) -> dict:
+        info = self._call("inspect", key=key)
+        info["client_transport"] = self.transport
+        return info
+
+    def stats(self) -> dict:
+        out = self._call("stats")
+        out["transport"] = self.transport
+        out["device_path"] = self.device_path_name()
+        return out
+
+    def ping(self) -> None:
+        self._call("ping")
+
+    def close(self) -> None:
+        if self._conn.closed and self._stop.is_set():
+            return
+        self._stop.set()
+        self._conn.close()
+        if self._waiter is not None:
+            self._waiter.close()
+        self._close_device_path()  # unpins shared memory: before the transport unmaps it
+        self._data.close()
+        if self._index_shm is not None:
+            self._index = None
+            self._index_shm.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+__all__ = ["RemoteStore", "StoreConnectionError"]

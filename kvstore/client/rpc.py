@@ -1,0 +1,194 @@
+"""Connection: the client's blocking control channel to the daemon (implements ``transports.Channel``).
+
+Every call is bounded by the connection's timeout; on a timeout or a broken socket the connection is closed
+(its framing can no longer be trusted) and a ConnectionError-family error is raised. Lease releases can be
+queued from any thread (e.g. a garbage-collected zero-copy object) and go out, without waiting for a reply,
+ahead of the next request.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import socket
+import threading
+from typing import Callable
+
+from kvstore.protocol import wire
+from kvstore.errors import KVStoreError, ProtocolError, StoreConnectionError, StoreTimeoutError, error_from_wire
+from kvstore.protocol.url import Endpoint
+from kvstore.transports.tcp import tune
+
+_BUFFER = 64 << 10
+
+
+class Connection:
+    def __init__(self, endpoint: Endpoint, timeout: float):
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self.endpoint, self.timeout = endpoint, timeout
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._buf = bytearray(_BUFFER)
+        self._start = self._end = 0
+        self._releases: collections.deque[int] = collections.deque()
+        self._sock: socket.socket | None = self._open()
+
+    def _open(self) -> socket.socket:
+        ep = self.endpoint
+        family = socket.AF_UNIX if ep.scheme == "unix" else (socket.AF_INET6 if ":" in ep.host else socket.AF_INET)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(ep.path if ep.scheme == "unix" else (ep.host, ep.port))
+        except socket.timeout:
+            sock.close()
+            raise StoreTimeoutError(f"connecting to {ep} timed out after {self.timeout} s") from None
+        except OSError as exc:
+            sock.close()
+            raise StoreConnectionError(f"cannot connect to {ep}: {exc}") from None
+        tune(sock)
+        return sock
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    # ---- Channel ------------------------------------------------------------------------------------
+    def call(self, request: dict, payload: memoryview | None = None,
+             into: Callable[[dict], memoryview] | None = None, timeout: float | None = None) -> dict:
+        with self._lock:
+            return self._call_locked(request, payload, into, timeout)
+
+    def try_call(self, request: dict) -> bool:
+        """Send ``request`` only if nobody else is using the connection now (heartbeats)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._sock is not None:
+                self._call_locked(request, None, None, None)
+            return True
+        finally:
+            self._lock.release()
+
+    def queue_release(self, lease: int) -> None:
+        self._releases.append(lease)
+
+    def _call_locked(self, request: dict, payload, into, timeout) -> dict:
+        sock = self._sock
+        if sock is None:
+            raise StoreConnectionError(f"connection to {self.endpoint} is closed")
+        try:
+            if timeout is not None:
+                sock.settimeout(timeout)
+            self._flush_releases(sock)
+            rid = next(self._ids)
+            frame = wire.encode({"v": wire.VERSION, "id": rid, **request})
+            if payload is not None and len(payload) <= _BUFFER:
+                sock.sendall(frame + payload)
+            else:
+                sock.sendall(frame)
+                if payload is not None:
+                    sock.sendall(payload)
+            if request.get("noreply"):
+                return {}
+            reply = self._read_frame(sock)
+            if reply.get("id") != rid:
+                raise ProtocolError(f"reply id {reply.get('id')!r} does not match request {rid}")
+            if not reply.get("ok"):
+                if reply.get("error") == "Protocol":  # the daemon closes after a framing error
+                    self._close_locked()
+                raise error_from_wire(str(reply.get("error")), str(reply.get("message")), reply.get("extra"))
+            if reply.get("stream"):
+                self._receive_stream(sock, reply, into)
+            return reply
+        except KVStoreError:
+            raise  # the daemon's typed answer (some are OSError subclasses): not a broken connection
+        except socket.timeout:
+            self._close_locked()
+            raise StoreTimeoutError(f"daemon at {self.endpoint} did not answer {request.get('op')!r} "
+                                    f"within {timeout or self.timeout} s") from None
+        except (ConnectionError, OSError) as exc:
+            self._close_locked()
+            raise StoreConnectionError(f"lost connection to {self.endpoint}: {exc}") from None
+        finally:
+            if timeout is not None and self._sock is not None:
+                self._sock.settimeout(self.timeout)
+
+    def _flush_releases(self, sock: socket.socket) -> None:
+        while self._releases:
+            lease = self._releases.popleft()
+            sock.sendall(wire.encode({"v": wire.VERSION, "id": next(self._ids), "op": "release",
+                                      "lease": lease, "noreply": True}))
+
+    def _receive_stream(self, sock: socket.socket, reply: dict, into) -> None:
+        size = reply["stream"]
+        try:
+            dst = into(reply) if into is not None else None
+        except BaseException:
+            self._skip(sock, size)  # keep the framing intact, then report the caller's error
+            raise
+        if dst is None:
+            self._skip(sock, size)
+            raise ProtocolError("daemon streamed bytes nobody asked for")
+        self._read_into(sock, dst[:size])
+
+    # ---- framing ------------------------------------------------------------------------------------
+    def _fill(self, sock: socket.socket, n: int) -> None:
+        if self._end - self._start >= n:
+            return
+        if len(self._buf) - self._start < n:
+            keep = bytes(self._buf[self._start:self._end])
+            if len(self._buf) < n:
+                self._buf = bytearray(max(n, 2 * len(self._buf)))
+            self._buf[:len(keep)] = keep
+            self._start, self._end = 0, len(keep)
+        view = memoryview(self._buf)
+        while self._end - self._start < n:
+            got = sock.recv_into(view[self._end:])
+            if got == 0:
+                raise ConnectionResetError("daemon closed the connection")
+            self._end += got
+
+    def _read_frame(self, sock: socket.socket) -> dict:
+        self._fill(sock, 4)
+        n = wire.frame_length(self._buf[self._start:self._start + 4])
+        self._fill(sock, 4 + n)
+        body = bytes(self._buf[self._start + 4:self._start + 4 + n])
+        self._start += 4 + n
+        return wire.decode(body)
+
+    def _read_into(self, sock: socket.socket, view: memoryview) -> None:
+        take = min(len(view), self._end - self._start)
+        view[:take] = self._buf[self._start:self._start + take]
+        self._start += take
+        got = take
+        while got < len(view):
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionResetError(f"daemon closed after {got} of {len(view)} bytes")
+            got += n
+
+    def _skip(self, sock: socket.socket, n: int) -> None:
+        scratch = memoryview(bytearray(min(max(n, 1), 1 << 20)))
+        while n > 0:
+            chunk = scratch[:min(n, len(scratch))]
+            self._read_into(sock, chunk)
+            n -= len(chunk)
+
+    # ---- closing ------------------------------------------------------------------------------------
+    def _close_locked(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._flush_releases(self._sock)
+                except OSError:
+                    pass
+            self._close_locked()

@@ -1,0 +1,202 @@
+"""KVStore: the public API, the same for an in-process store and a client of ``kvstore serve``.
+
+``KVStore.embedded(capacity=...)`` runs master and segments in this process; ``kvstore.connect(url)`` talks to
+a daemon. Both share the argument checking, value encoding and checksums defined here; a backend supplies
+the handful of primitives below the line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from kvstore.core.digest import Digest, checksum_of
+from kvstore.errors import BufferTooSmallError, ChecksumError, InvalidArgumentError
+from kvstore.core.meta import ObjectMeta, validate_key, validate_ttl, validate_user_meta
+from kvstore.units import parse_size
+from kvstore.core.value import KVObject, Payload, as_payload, writable_view
+
+@dataclass(frozen=True, slots=True)
+class PutFlags:
+    if_absent: bool = False
+    pin: bool = False
+    ephemeral: bool = False
+
+
+class KVStore(ABC):
+    """Store KV-cache objects by key.
+
+    Every method raises the typed errors of :mod:`kvstore.errors`: a missing key is
+    :class:`~kvstore.KeyNotFoundError`, never an empty value."""
+
+    producer: str = ""
+
+    # ---- construction -------------------------------------------------------------------------------
+    @staticmethod
+    def embedded(capacity: int | str = "1GiB", **options: Any) -> "KVStore":
+        """A store living in this process (no daemon). Options: high_watermark, low_watermark."""
+        from kvstore.client.embedded import EmbeddedStore
+
+        return EmbeddedStore(parse_size(capacity), **options)
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- writes -------------------------------------------------------------------------------------
+    def put(self, key: str, value: Any, meta: dict | None = None, ttl: float | None = None, *,
+            if_absent: bool = False, pin: bool = False, ephemeral: bool = False) -> ObjectMeta:
+        """Store ``value`` (bytes-like, numpy array or torch CPU tensor) under ``key``.
+
+        The new version becomes visible atomically when all its bytes are written; a reader of the old
+        version finishes on the old bytes. ``if_absent`` raises KeyExistsError instead of replacing;
+        ``pin`` keeps the object from eviction; ``ttl`` seconds after commit it expires; an ``ephemeral``
+        object is removed when this client disconnects (or dies)."""
+        object_meta, payload = self._prepare(key, value, meta, ttl)
+        return self._put(object_meta, payload, Digest(payload.view),
+                         flags=PutFlags(if_absent=if_absent, pin=pin, ephemeral=ephemeral))
+
+    def _prepare(self, key: str, value: Any, meta: dict | None, ttl: float | None) -> tuple[ObjectMeta, Payload]:
+        payload = as_payload(value)
+        return ObjectMeta(key=validate_key(key), size=len(payload.view), kind=payload.kind, dtype=payload.dtype,
+                          shape=payload.shape, producer=self.producer, ttl=validate_ttl(ttl),
+                          user=validate_user_meta(meta)), payload
+
+    def batch_put(self, items: Iterable[tuple[str, Any]], ttl: float | None = None, *,
+                  ephemeral: bool = False) -> list[ObjectMeta]:
+        """Store several objects, all or nothing: they become visible together (in order) when every byte
+        of every one is written; if one fails, none is visible and all their space is freed."""
+        prepared = [self._prepare(key, value, None, ttl) for key, value in items]
+        if not prepared:
+            return []
+        digests = [Digest(payload.view) for _, payload in prepared]
+        return self._put_many(prepared, digests, flags=PutFlags(ephemeral=ephemeral))
+
+    # ---- reads --------------------------------------------------------------------------------------
+    def get(self, key: str, *, copy: bool = True, verify: bool = False) -> KVObject:
+        """The object under ``key``. ``copy=False`` returns a read-only zero-copy view into the store's
+        memory that holds a lease (the object cannot be evicted or removed) until released."""
+        obj = self._get(validate_key(key), copy=copy)
+        if verify:
+            self._verify(obj.meta, memoryview(obj))
+        return obj
+
+    def get_into(self, key: str, out: Any, *, verify: bool = False) -> int:
+        """Copy the object into ``out`` (numpy array, torch CPU tensor, bytearray, writable memoryview);
+        returns the number of bytes written. BufferTooSmallError (nothing written) if it does not fit."""
+        dst = writable_view(out)
+        key = validate_key(key)
+
+        def fit(size: int) -> memoryview:
+            if size > len(dst):
+                raise BufferTooSmallError(f"object {key!r} is {size} bytes but the buffer holds {len(dst)}",
+                                          needed=size, got=len(dst))
+            return dst
+
+        size, checksum = self._get_into(key, fit)
+        if verify:
+            self._verify_raw(key, checksum, dst[:size])
+        return size
+
+    def batch_get_into(self, keys: Sequence[str], outs: Sequence[Any]) -> list[int]:
+        if len(keys) != len(outs):
+            raise InvalidArgumentError(f"batch_get_into got {len(keys)} keys but {len(outs)} buffers")
+        return [self.get_into(key, out) for key, out in zip(keys, outs)]
+
+    def exists(self, key: str) -> bool:
+        return self._exists(validate_key(key))
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._batch_exists([validate_key(k) for k in keys])
+
+    def evict(self, key: str) -> bool:
+        """Drop the object as the cache would; False if absent. Leased or pinned: ObjectBusyError."""
+        return self._evict(validate_key(key))
+
+    def remove(self, key: str) -> bool:
+        """Delete the object; False if absent. Leased: ObjectBusyError."""
+        return self._remove(validate_key(key))
+
+    def wait(self, keys: Sequence[str], timeout: float) -> str | None:
+        """Block until one of ``keys`` is committed (notified, not polled); returns it, or None at timeout."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 3600:
+            raise InvalidArgumentError(f"timeout must be between 0 and 3600 seconds, got {timeout!r}")
+        return self._wait([validate_key(k) for k in keys], float(timeout))
+
+    def inspect(self, key: str) -> dict:
+        """Size, dtype/shape, checksum, state, leases, age, TTL, segment and offset of one object."""
+        return self._inspect(validate_key(key))
+
+    def _batch_exists(self, keys: list[str]) -> list[bool]:
+        return [self._exists(key) for key in keys]
+
+    @contextlib.contextmanager
+    def lease(self, key: str) -> Iterator[ObjectMeta]:
+        """While held, the object cannot be evicted or removed (a replace makes a new version visible)."""
+        handle, meta = self._lease(validate_key(key))
+        try:
+            yield meta
+        finally:
+            self._release(handle)
+
+    def _verify(self, meta: ObjectMeta, data: memoryview) -> None:
+        self._verify_raw(meta.key, meta.checksum, data)
+
+    @staticmethod
+    def _verify_raw(key: str, expected: int | None, data: memoryview) -> None:
+        actual = checksum_of(data)
+        if expected is not None and actual != expected:
+            raise ChecksumError(f"object {key!r}: xxh3 {actual:#018x} differs from {expected:#018x} "
+                                "recorded at commit")
+
+    # ---- backend primitives -------------------------------------------------------------------------
+    @abstractmethod
+    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: "PutFlags") -> ObjectMeta:
+        """Store ``payload``; record ``digest()`` as its checksum at commit."""
+
+    @abstractmethod
+    def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
+                  flags: "PutFlags") -> list[ObjectMeta]:
+        """Write every payload as a pending put, then commit them all at once (abort all on failure)."""
+
+    @abstractmethod
+    def _get(self, key: str, *, copy: bool) -> KVObject: ...
+
+    @abstractmethod
+    def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
+        """Copy into ``fit(size)``; return (size, checksum recorded at commit)."""
+
+    @abstractmethod
+    def _lease(self, key: str) -> tuple[Any, ObjectMeta]: ...
+
+    @abstractmethod
+    def _release(self, handle: Any) -> None: ...
+
+    @abstractmethod
+    def _exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _evict(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _remove(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _wait(self, keys: list[str], timeout: float) -> str | None: ...
+
+    @abstractmethod
+    def keys(self, prefix: str = "") -> list[str]: ...
+
+    @abstractmethod
+    def _inspect(self, key: str) -> dict: ...
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """At least capacity_bytes, used_bytes, objects, evictions, leases, pending."""
+
+    @abstractmethod
+    def close(self) -> None: ...

@@ -1,0 +1,170 @@
+"""ClusterSession: one client connection of a cluster daemon. A key this node holds is served exactly as by a
+single daemon; any other key is resolved through the directory (``RemoteReader.fetch``) and served
+from a scratch copy leased to the client, so the client sees the same API and data paths. ``peer_get`` and
+``peer_evict`` are what other members send: they act on this node's own objects only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from kvstore.errors import KeyExistsError, KeyNotFoundError, StoreConnectionError
+from kvstore.core.master import Lease
+from kvstore.core.meta import ObjectMeta
+from kvstore.daemon.session import _INLINE_REPLY, Session
+
+if TYPE_CHECKING:
+    from kvstore.cluster.daemon.node import ClusterServer
+
+
+class ClusterSession(Session):
+    server: "ClusterServer"
+
+    async def _dispatch(self, message: dict) -> None:
+        await self.server.ensure_fresh()
+        await super()._dispatch(message)
+
+    async def _synced(self, reply: dict | None) -> dict | None:
+        """With ``directory_sync``, a commit is acknowledged once other nodes can find it."""
+        server = self.server
+        if reply is not None and server.cluster.directory_sync and ("version" in reply or "versions" in reply):
+            await server.publisher.synced(server.cluster.peer_timeout)
+        return reply
+
+    # ---- writes -------------------------------------------------------------------------------------
+    async def op_put(self, rid: int, f: dict) -> dict:
+        key = f["key"]
+        if f["if_absent"] and not self.server.local(key):
+            found = await self.server.remote.entries([key])
+            if found and found.get(key):
+                raise KeyExistsError(f"key {key!r} already exists on node {found[key][0].node}")
+        return await self._synced(await super().op_put(rid, f))
+
+    async def op_commit(self, rid: int, f: dict) -> dict:
+        return await self._synced(await super().op_commit(rid, f))
+
+    async def op_commit_many(self, rid: int, f: dict) -> dict:
+        return await self._synced(await super().op_commit_many(rid, f))
+
+    # ---- reads --------------------------------------------------------------------------------------
+    async def op_get(self, rid: int, f: dict) -> dict | None:
+        if self.server.local(f["key"]):
+            return await super().op_get(rid, f)
+        if f["mode"] == "region":
+            self._require_shm()  # before moving any bytes
+        lease, meta = await self.server.remote.fetch(f["key"], self.client)
+        return await self._serve_lease(rid, f["mode"], lease, meta)
+
+    async def op_peer_get(self, rid: int, f: dict) -> dict | None:
+        if f["key"] in self.server.doomed:
+            raise KeyNotFoundError(f"key {f['key']!r} not found on node {self.server.node_id}")
+        return await super().op_get(rid, f)
+
+    async def _serve_lease(self, rid: int, mode: str, lease: Lease, meta: ObjectMeta) -> dict | None:
+        replica = lease.replica
+        if mode == "region":
+            return self._ok(rid, meta=meta.to_wire(), segment=replica.segment, offset=replica.offset, size=meta.size,
+                            lease=lease.id)
+        if mode == "ucx" and meta.size > _INLINE_REPLY:
+            return self._ucx_get_reply(rid, lease)  # the scratch replica carries the object's own meta
+        try:
+            region = self.server.segments[replica.segment].view(replica.offset, meta.size)
+            await self._send(self._ok(rid, meta=meta.to_wire(), stream=meta.size), region)
+            region.release()
+        finally:
+            if self.client is not None:
+                self.server.master.release(lease.id)
+        return None
+
+    async def op_cuda_get(self, rid: int, f: dict) -> dict:
+        """A cuda_ipc client's get: another node's key arrives in a host scratch region it copies from."""
+        if self.server.local(f["key"]):
+            return await super().op_cuda_get(rid, f)
+        self._gpu()  # before any bytes move
+        lease, meta = await self.server.remote.fetch(f["key"], self.client)
+        r = lease.replica
+        return self._ok(rid, meta=meta.to_wire(), segment=r.segment, offset=r.offset, size=meta.size, lease=lease.id,
+                        tier=self.server.master.tier_of(r).value)
+
+    async def op_lease(self, rid: int, f: dict) -> dict:
+        if self.server.local(f["key"]):
+            return await super().op_lease(rid, f)
+        lease, meta = await self.server.remote.fetch(f["key"], self.client)
+        return self._ok(rid, lease=lease.id, meta=meta.to_wire())
+
+    async def op_exists(self, rid: int, f: dict) -> dict:
+        return self._ok(rid, value=(await self._exists([f["key"]]))[0])
+
+    async def op_batch_exists(self, rid: int, f: dict) -> dict:
+        return self._ok(rid, value=await self._exists(f["keys"]))
+
+    async def _exists(self, keys: list[str]) -> list[bool]:
+        present = [self.server.local(k) for k in keys]
+        missing = [k for k, ok in zip(keys, present) if not ok]
+        if missing:
+            found = await self.server.remote.entries(missing) or {}
+            present = [ok or bool(found.get(k)) for k, ok in zip(keys, present)]
+        return present
+
+    async def op_inspect(self, rid: int, f: dict) -> dict:
+        key = f["key"]
+        if self.server.local(key):
+            return await super().op_inspect(rid, f)
+        entries = (await self.server.remote.entries([key]) or {}).get(key)
+        if not entries:
+            raise KeyNotFoundError(f"key {key!r} not found in the cluster")
+        return self._ok(rid, value=_describe_remote(entries))
+
+    async def op_ls(self, rid: int, f: dict) -> dict:
+        import redis
+
+        keys = set(self.server.master.keys(f["prefix"])) - set(self.server.doomed)
+        try:
+            keys.update(await self.server.directory.keys(f["prefix"], f["limit"]))
+        except (redis.RedisError, OSError):
+            pass  # the directory is down: list what this node holds
+        keys = sorted(keys)
+        return self._ok(rid, value=keys[:f["limit"]], total=len(keys))
+
+    # ---- removal ------------------------------------------------------------------------------------
+    async def op_remove(self, rid: int, f: dict) -> dict:
+        """Remove the key everywhere: our copy now (a leased copy raises ObjectBusyError), the directory
+        entries now, other nodes' copies when they see the removal event (theirs go when their leases end)."""
+        import redis
+
+        key, server = f["key"], self.server
+        removed = server.master.remove(key) if server.local(key) else False
+        try:
+            counts = await server.remove_everywhere([key])
+        except (redis.RedisError, OSError) as exc:
+            if removed:
+                return self._ok(rid, value=True)
+            raise StoreConnectionError(f"cannot remove {key!r} from the cluster directory: {exc}") from None
+        return self._ok(rid, value=removed or counts[0] > 0)
+
+    async def op_evict(self, rid: int, f: dict) -> dict:
+        key, server = f["key"], self.server
+        if server.local(key):
+            return await super().op_evict(rid, f)
+        evicted = False
+        for entry in (await server.remote.entries([key]) or {}).get(key, []):
+            evicted = await server.remote.evict(entry, key) or evicted
+        return self._ok(rid, value=evicted)
+
+    async def op_peer_evict(self, rid: int, f: dict) -> dict:
+        if self.server.local(f["key"]):
+            return await super().op_evict(rid, f)
+        return self._ok(rid, value=False)
+
+
+def _describe_remote(entries) -> dict:
+    first, meta = entries[0], entries[0].meta
+    return {
+        "key": meta.key, "size": meta.size, "kind": meta.kind, "dtype": meta.dtype,
+        "shape": list(meta.shape) if meta.shape is not None else None,
+        "checksum": f"{meta.checksum:016x}" if meta.checksum is not None else None, "state": "complete",
+        "version": meta.version, "age_s": round(time.time() - meta.created, 6), "ttl_s": meta.ttl,
+        "producer": meta.producer, "meta": meta.user, "node": first.node, "addr": first.addr,
+        "replicas": sorted(e.node for e in entries),
+    }

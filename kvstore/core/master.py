@@ -1,0 +1,473 @@
+"""Master: the store's metadata, as pure logic (no I/O, no payload bytes).
+
+Key -> replica (segment, offset, length, state). Two-phase puts (PENDING -> COMPLETE), read leases, pins,
+TTLs, eviction between a high and a low watermark behind a small policy interface, and client liveness
+(a client that goes away loses its pending puts and its leases). Callers serialise access (the daemon runs
+it on one event loop; the embedded store holds a lock).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Iterator, Protocol, Sequence
+
+from kvstore.core.allocator import Allocator
+from kvstore.errors import (InvalidArgumentError, KeyExistsError, KeyNotFoundError, LeaseError, ObjectBusyError, ObjectTooLargeError,
+                            StoreFullError)
+from kvstore.core.meta import ObjectMeta
+
+
+class ReplicaState(Enum):
+    PENDING = "pending"
+    COMPLETE = "complete"
+
+
+class Tier(Enum):
+    """The kind of memory a segment is. Each tier has its own capacity, watermarks and eviction: a put names
+    the tier it needs, and only objects of that tier make room for it."""
+
+    HOST = "host"  # shared host memory (the shm segments)
+    GPU = "gpu"  # device memory of the daemon's GPU (exported to same-host clients by CUDA IPC)
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    id: int
+    meta: ObjectMeta
+    segment: int
+    offset: int
+    reserved: int
+    client: int
+    state: ReplicaState = ReplicaState.PENDING
+    pinned: bool = False
+    if_absent: bool = False
+    ephemeral: bool = False  # removed when the client that put it goes away
+    expires_at: float | None = None
+    leases: int = 0
+    live: bool = False  # the key's visible version
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> str:
+        return self.meta.key
+
+    @property
+    def size(self) -> int:
+        return self.meta.size
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    id: int
+    replica: Replica
+    client: int
+
+
+class EvictionPolicy(Protocol):
+    """Orders evictable keys. The master tells it about accesses; it proposes victims, oldest first."""
+
+    def add(self, key: str) -> None: ...
+    def touch(self, key: str) -> None: ...
+    def discard(self, key: str) -> None: ...
+    def victims(self) -> Iterator[str]: ...
+
+
+class LRUPolicy:
+    """Least recently used first. ``recency_hint(key)`` may report reads the master did not see (the
+    daemon's shared-memory index records clients' lock-free reads) as CLOCK_MONOTONIC ns; a victim read
+    more recently than the master last saw it gets a second chance."""
+
+    def __init__(self, recency_hint: Callable[[str], int] | None = None) -> None:
+        self._order: OrderedDict[str, int] = OrderedDict()
+        self._hint = recency_hint
+
+    def add(self, key: str) -> None:
+        self._order[key] = time.monotonic_ns()
+        self._order.move_to_end(key)
+
+    def touch(self, key: str) -> None:
+        if key in self._order:
+            self._order[key] = time.monotonic_ns()
+            self._order.move_to_end(key)
+
+    def discard(self, key: str) -> None:
+        self._order.pop(key, None)
+
+    def victims(self) -> Iterator[str]:
+        for key, seen in list(self._order.items()):
+            if self._hint is not None and key in self._order:
+                read = self._hint(key)
+                if read > seen:
+                    self._order[key] = read
+                    self._order.move_to_end(key)
+                    continue
+            yield key
+
+
+class MasterListener(Protocol):
+    """Told when a version becomes visible or stops being visible, and when space is freed."""
+
+    def published(self, replica: Replica) -> None: ...
+    def unpublished(self, replica: Replica) -> None: ...
+
+
+class _NoListener:
+    def published(self, replica: Replica) -> None:
+        pass
+
+    def unpublished(self, replica: Replica) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class _Client:
+    id: int
+    name: str
+    last_seen: float
+    puts: set[int] = field(default_factory=set)
+    leases: set[int] = field(default_factory=set)
+    ephemeral: dict[str, int] = field(default_factory=dict)  # key -> replica id
+
+
+class Master:
+    def __init__(self, segment_sizes: list[int], *, high_watermark: float = 0.9, low_watermark: float = 0.8,
+                 policy: EvictionPolicy | None = None, alignment: int = 64,
+                 clock: Callable[[], float] = time.monotonic, listener: MasterListener | None = None,
+                 tiers: Sequence[Tier] | None = None):
+        """``tiers[i]`` is the memory kind of segment ``i`` (all host when omitted)."""
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError(f"need 0 < low <= high <= 1, got low={low_watermark} high={high_watermark}")
+        self.allocators = [Allocator(size, alignment) for size in segment_sizes]
+        self.tiers = list(tiers) if tiers is not None else [Tier.HOST] * len(self.allocators)
+        if len(self.tiers) != len(self.allocators) or not all(isinstance(t, Tier) for t in self.tiers):
+            raise ValueError(f"need one Tier per segment: {len(self.allocators)} segments, tiers {tiers!r}")
+        self._tier_segments = {t: tuple(i for i, s in enumerate(self.tiers) if s is t) for t in set(self.tiers)}
+        self.capacity = sum(a.capacity for a in self.allocators)
+        self.high, self.low = high_watermark, low_watermark
+        self.policy: EvictionPolicy = policy or LRUPolicy()
+        self.listener: MasterListener = listener or _NoListener()
+        self.clock = clock
+        self._live: dict[str, Replica] = {}
+        self._pending: dict[int, Replica] = {}
+        self._leases: dict[int, Lease] = {}
+        self._clients: dict[int, _Client] = {}
+        self._expiry: list[tuple[float, int, str]] = []
+        self._ids = itertools.count(1)
+        self.evictions = 0
+        self.expirations = 0
+
+    # ---- clients ------------------------------------------------------------------------------------
+    def register_client(self, name: str = "") -> int:
+        cid = next(self._ids)
+        self._clients[cid] = _Client(cid, name, self.clock())
+        return cid
+
+    def heartbeat(self, client: int) -> None:
+        if client in self._clients:
+            self._clients[client].last_seen = self.clock()
+
+    def drop_client(self, client: int) -> tuple[int, int]:
+        """Revoke the client's pending puts, release its leases and remove its ephemeral objects;
+        returns (puts aborted, leases released)."""
+        state = self._clients.pop(client, None)
+        if state is None:
+            return 0, 0
+        for put_id in list(state.puts):
+            self.abort(put_id)
+        for lease_id in list(state.leases):
+            self.release(lease_id)
+        for key, rid in state.ephemeral.items():
+            replica = self._live.get(key)
+            if replica is not None and replica.id == rid:
+                self._unlink(replica)
+        return len(state.puts), len(state.leases)
+
+    def silent_clients(self, timeout: float) -> list[int]:
+        now = self.clock()
+        return [c.id for c in self._clients.values() if now - c.last_seen > timeout]
+
+    # ---- puts ---------------------------------------------------------------------------------------
+    def begin_put(self, meta: ObjectMeta, client: int, *, if_absent: bool = False, pin: bool = False,
+                  ephemeral: bool = False, tier: Tier = Tier.HOST) -> Replica:
+        """Reserve space for ``meta.size`` bytes in a segment of ``tier``; the result is PENDING and invisible
+        until ``commit``. ``ephemeral`` objects are removed when ``client`` goes away (e.g. a producer's
+        liveness claim). Eviction to make room only drops objects of the same tier."""
+        if if_absent and self._lookup_live(meta.key) is not None:
+            raise KeyExistsError(f"key {meta.key!r} already exists")
+        segments = self._segments_of(tier)
+        reserved = self.allocators[segments[0]].aligned(meta.size)
+        capacity = sum(self.allocators[i].capacity for i in segments)
+        if reserved > max(self.allocators[i].capacity for i in segments):
+            where = "" if len(self._tier_segments) == 1 else f" ({tier.value} tier)"
+            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {capacity}{where}")
+        if self._used(segments) + reserved > self.high * capacity:
+            self._evict_until(int(self.low * capacity) - reserved, segments)
+        segment, offset = self._allocate(meta.size, segments)
+        replica = Replica(next(self._ids), meta, segment, offset, self.allocators[segment].size_of(offset),
+                          client, pinned=pin, if_absent=if_absent, ephemeral=ephemeral)
+        self._pending[replica.id] = replica
+        self._client(client).puts.add(replica.id)
+        return replica
+
+    def commit_many(self, put_ids: list[int], checksums: list[int | None]) -> list[Replica]:
+        """Commit several pending puts at once, all or nothing: if one cannot commit (unknown put, or an
+        ``if_absent`` key that exists), none is committed and all of them are aborted."""
+        if len(put_ids) != len(checksums) or len(set(put_ids)) != len(put_ids):
+            raise InvalidArgumentError(f"commit of {len(put_ids)} puts with {len(checksums)} checksums "
+                                       "(or a put named twice)")
+        replicas = [self.pending(pid) for pid in put_ids]
+        keys = [r.key for r in replicas]
+        conflict = next((r for r in replicas if r.if_absent and (self._lookup_live(r.key) is not None
+                                                                 or keys.count(r.key) > 1)), None)
+        if conflict is not None:
+            for pid in put_ids:
+                self.abort(pid)
+            raise KeyExistsError(f"key {conflict.key!r} already exists; no put of the batch was committed")
+        return [self.commit(pid, c) for pid, c in zip(put_ids, checksums)]
+
+    def commit(self, put_id: int, checksum: int | None = None) -> Replica:
+        """Make a pending put the key's visible version, atomically replacing the previous one."""
+        replica = self._take_pending(put_id)
+        old = self._lookup_live(replica.key)
+        if replica.if_absent and old is not None:
+            self._free(replica)
+            raise KeyExistsError(f"key {replica.key!r} was committed by another writer first")
+        replica.meta = replica.meta.with_commit(replica.meta.checksum if checksum is None else checksum, replica.id)
+        replica.state = ReplicaState.COMPLETE
+        if replica.meta.ttl is not None:
+            replica.expires_at = self.clock() + replica.meta.ttl
+            heapq.heappush(self._expiry, (replica.expires_at, replica.id, replica.key))
+        if old is not None:
+            self._unlink(old)
+        replica.live = True
+        self._live[replica.key] = replica
+        if replica.ephemeral and replica.client in self._clients:
+            self._clients[replica.client].ephemeral[replica.key] = replica.id
+        if not replica.pinned:
+            self.policy.add(replica.key)
+        self.listener.published(replica)
+        return replica
+
+    def abort(self, put_id: int) -> None:
+        self._free(self._take_pending(put_id))
+
+    def pending(self, put_id: int) -> Replica:
+        try:
+            return self._pending[put_id]
+        except KeyError:
+            raise LeaseError(f"no pending put {put_id} (aborted, committed or revoked)") from None
+
+    # ---- reads --------------------------------------------------------------------------------------
+    def lookup(self, key: str) -> Replica:
+        replica = self._lookup_live(key)
+        if replica is None:
+            raise KeyNotFoundError(f"key {key!r} not found")
+        self.policy.touch(key)
+        return replica
+
+    def exists(self, key: str) -> bool:
+        return self._lookup_live(key) is not None
+
+    def lease(self, key: str, client: int) -> Lease:
+        replica = self.lookup(key)
+        lease = Lease(next(self._ids), replica, client)
+        replica.leases += 1
+        self._leases[lease.id] = lease
+        self._client(client).leases.add(lease.id)
+        return lease
+
+    def release(self, lease_id: int, client: int | None = None) -> None:
+        """Release a lease; with ``client`` given, only that client's own lease."""
+        lease = self._leases.get(lease_id)
+        if lease is None or (client is not None and lease.client != client):
+            raise LeaseError(f"no lease {lease_id} held by this client (already released or revoked)")
+        del self._leases[lease_id]
+        client = self._clients.get(lease.client)
+        if client is not None:
+            client.leases.discard(lease_id)
+        replica = lease.replica
+        replica.leases -= 1
+        if replica.leases == 0 and (not replica.live or self._expired(replica)):
+            if replica.live:
+                self._unlink(replica)
+            else:
+                self._free(replica)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return sorted(k for k, r in self._live.items() if k.startswith(prefix) and not self._expired(r))
+
+    # ---- removal ------------------------------------------------------------------------------------
+    def evict(self, key: str) -> bool:
+        """Drop ``key`` as the cache would; pinned or leased objects raise ObjectBusyError."""
+        replica = self._lookup_live(key)
+        if replica is None:
+            return False
+        if replica.pinned or replica.leases:
+            raise ObjectBusyError(f"key {key!r} is {'pinned' if replica.pinned else 'leased'}; not evicted")
+        self._unlink(replica)
+        self.evictions += 1
+        return True
+
+    def remove(self, key: str) -> bool:
+        """Delete ``key`` (pinned or not); a leased object raises ObjectBusyError."""
+        replica = self._lookup_live(key)
+        if replica is None:
+            return False
+        if replica.leases:
+            raise ObjectBusyError(f"key {key!r} is leased ({replica.leases}); not removed")
+        self._unlink(replica)
+        return True
+
+    def expire(self) -> int:
+        """Drop every object whose TTL has passed (leased ones go when released). Returns how many."""
+        now, dropped = self.clock(), 0
+        while self._expiry and self._expiry[0][0] <= now:
+            _, rid, key = heapq.heappop(self._expiry)
+            replica = self._live.get(key)
+            if replica is not None and replica.id == rid and not replica.leases:
+                self._unlink(replica)
+                self.expirations += 1
+                dropped += 1
+        return dropped
+
+    # ---- stats --------------------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return sum(a.used_bytes for a in self.allocators)
+
+    def tier_of(self, replica: Replica) -> Tier:
+        return self.tiers[replica.segment]
+
+    def stats(self) -> dict:
+        free = sum(a.free_bytes for a in self.allocators)
+        largest = max(a.largest_free() for a in self.allocators)
+        return {
+            "capacity_bytes": self.capacity, "used_bytes": self.used_bytes, "objects": len(self._live),
+            "pending": len(self._pending), "leases": len(self._leases), "evictions": self.evictions,
+            "expirations": self.expirations, "clients": len(self._clients),
+            "fragmentation": 0.0 if free == 0 else round(1.0 - largest / free, 6),
+            "high_watermark": self.high, "low_watermark": self.low,
+            "tiers": {t.value: {"capacity_bytes": sum(self.allocators[i].capacity for i in segs),
+                                "used_bytes": self._used(segs), "segments": list(segs)}
+                      for t, segs in sorted(self._tier_segments.items(), key=lambda kv: kv[1])},
+        }
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _client(self, client: int) -> _Client:
+        try:
+            return self._clients[client]
+        except KeyError:
+            raise LeaseError(f"client {client} is not registered (dropped after a disconnect?)") from None
+
+    def _expired(self, replica: Replica) -> bool:
+        return replica.expires_at is not None and replica.expires_at <= self.clock()
+
+    def _lookup_live(self, key: str) -> Replica | None:
+        replica = self._live.get(key)
+        if replica is not None and self._expired(replica):
+            if not replica.leases:
+                self._unlink(replica)
+                self.expirations += 1
+            return None
+        return replica
+
+    def _take_pending(self, put_id: int) -> Replica:
+        replica = self.pending(put_id)
+        del self._pending[put_id]
+        client = self._clients.get(replica.client)
+        if client is not None:
+            client.puts.discard(put_id)
+        return replica
+
+    def _segments_of(self, tier: Tier) -> tuple[int, ...]:
+        try:
+            return self._tier_segments[tier]
+        except KeyError:
+            raise InvalidArgumentError(f"this store holds no {tier.value} memory (its tiers: "
+                                       f"{sorted(t.value for t in self._tier_segments)})") from None
+
+    def _used(self, segments: Sequence[int]) -> int:
+        return sum(self.allocators[i].used_bytes for i in segments)
+
+    def _allocate(self, nbytes: int, segments: Sequence[int]) -> tuple[int, int]:
+        while True:
+            for segment in segments:
+                offset = self.allocators[segment].allocate(nbytes)
+                if offset is not None:
+                    return segment, offset
+            if not self._evict_one(segments, room_for=nbytes):
+                stats = self.stats()
+                raise StoreFullError(
+                    f"no room for {nbytes} bytes: {stats['used_bytes']} of {self.capacity} used, "
+                    f"{stats['leases']} leases and {stats['pending']} pending puts hold the rest")
+
+    def _evict_until(self, target_used: int, segments: Sequence[int]) -> None:
+        while self._used(segments) > target_used and self._evict_one(segments):
+            pass
+
+    #: how many of the least recently used objects an allocation looks through for one whose space, joined
+    #: with the free blocks beside it, already fits the request (instead of evicting in strict LRU order
+    #: until a hole big enough appears, which empties a fragmented store for one large put)
+    FIT_WINDOW = 64
+
+    def _evict_one(self, segments: Sequence[int], room_for: int | None = None) -> bool:
+        """Evict one unleased, unpinned object of ``segments``: the least recently used one or, when
+        ``room_for`` bytes must fit, the least recently used among the first FIT_WINDOW whose freeing
+        leaves a hole that large."""
+        first: Replica | None = None
+        seen = 0
+        for key in self.policy.victims():
+            replica = self._live.get(key)
+            if replica is None:
+                self.policy.discard(key)
+                continue
+            if replica.leases or replica.pinned or replica.segment not in segments:
+                continue
+            if first is None:
+                first = replica
+            allocator = self.allocators[replica.segment]
+            seen += 1
+            if room_for is None or allocator.hole_if_freed(replica.offset) >= allocator.aligned(room_for):
+                first = replica
+                break
+            if seen >= self.FIT_WINDOW:
+                break
+        if first is None:
+            return False
+        self._unlink(first)
+        self.evictions += 1
+        return True
+
+    def _unlink(self, replica: Replica) -> None:
+        """Stop showing ``replica``; free its space now, or when its last lease goes."""
+        if replica.live:
+            replica.live = False
+            if self._live.get(replica.key) is replica:
+                del self._live[replica.key]
+            self.policy.discard(replica.key)
+            self.listener.unpublished(replica)
+        if replica.leases == 0:
+            self._free(replica)
+
+    def _free(self, replica: Replica) -> None:
+        self.allocators[replica.segment].free(replica.offset)
+
+
+def describe_replica(replica: Replica, now: float) -> dict:
+    """What ``kvstore inspect`` shows for one object."""
+    meta = replica.meta
+    return {
+        "key": meta.key, "size": meta.size, "kind": meta.kind, "dtype": meta.dtype,
+        "shape": list(meta.shape) if meta.shape is not None else None,
+        "checksum": f"{meta.checksum:016x}" if meta.checksum is not None else None,
+        "state": replica.state.value, "version": meta.version, "leases": replica.leases, "pinned": replica.pinned,
+        "age_s": round(time.time() - meta.created, 6), "ttl_s": meta.ttl,
+        "expires_in_s": None if replica.expires_at is None else round(replica.expires_at - now, 6),
+        "segment": replica.segment, "offset": replica.offset, "reserved": replica.reserved,
+        "producer": meta.producer, "meta": meta.user,
+    }

@@ -1,0 +1,391 @@
+"""Server: the ``kvstore serve`` daemon — listeners, segments, the shared-memory index, housekeeping and a
+graceful shutdown. One asyncio loop (uvloop when installed) owns the master, so it needs no lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import stat
+import time
+from dataclasses import dataclass, field
+
+from kvstore.memory import index as shm_index
+from kvstore.errors import InvalidArgumentError, TransportError
+from kvstore.gpu.memory import GpuMemory
+from kvstore.core.master import LRUPolicy, Master, Replica, Tier
+from kvstore.daemon.metrics import Metrics
+from kvstore.memory.segment import SegmentSet, reap_orphans
+from kvstore.daemon.session import Session
+from kvstore.daemon.ucx_ops import start_ucx
+from kvstore.protocol.url import Endpoint, host_id
+from kvstore.memory.shm import SharedMemory
+from kvstore.transports.tcp import tune
+
+log = logging.getLogger("kvstore.daemon.server")
+SERVED_TRANSPORTS = ("shm", "tcp")  # always served; "ucx" too while a --listen ucx:// endpoint runs, and
+#                                     "cuda_ipc" while the daemon holds GPU segments (--gpu-capacity)
+#: transport="auto": the first of these that the daemon serves and the client offers. "cuda_ipc" (offered by
+#: clients with torch) hands host buffers on to the shm path itself, so it goes first.
+SAME_HOST_PREFERENCE = ("cuda_ipc", "shm")
+REMOTE_PREFERENCE = ("ucx", "tcp")
+SAME_HOST_ONLY = ("shm", "cuda_ipc")  # they map the daemon's memory
+_SERVE_HINTS = {"ucx": " (start it with --listen ucx://host:port)", "cuda_ipc": " (start it with --gpu-capacity)"}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: tuple[str, ...] = ("unix:///tmp/kvstore.sock",)
+    capacity: int = 1 << 30
+    metrics_port: int | None = None
+    token: str | None = None
+    insecure: bool = False
+    high_watermark: float = 0.9
+    low_watermark: float = 0.8
+    heartbeat_timeout: float = 30.0
+    grace: float = 10.0
+    gpu_capacity: int = 0  # bytes of GPU segments (0: none)
+    device: int | None = None  # the CUDA device holding them (default 0)
+    endpoints: tuple[Endpoint, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            raise InvalidArgumentError("give at least one --listen address")
+        endpoints = tuple(Endpoint.parse(url) for url in self.listen)
+        if all(ep.scheme == "ucx" for ep in endpoints) or sum(ep.scheme == "ucx" for ep in endpoints) > 1:
+            raise InvalidArgumentError("ucx:// is a data endpoint: give one at most, next to a unix:// or tcp:// "
+                                       "--listen address for the control connection")
+        for ep in endpoints:
+            if not ep.is_loopback() and self.token is None and not self.insecure:
+                raise InvalidArgumentError(f"refusing to listen on non-loopback {ep} without a token "
+                                           "(--token-file) or --insecure")
+        if self.capacity <= 0:
+            raise InvalidArgumentError(f"capacity must be positive, got {self.capacity}")
+        self._check_gpu()
+        object.__setattr__(self, "endpoints", endpoints)
+
+    def _check_gpu(self) -> None:
+        if isinstance(self.gpu_capacity, bool) or not isinstance(self.gpu_capacity, int) or self.gpu_capacity < 0:
+            raise InvalidArgumentError(f"gpu capacity must be a size >= 0, got {self.gpu_capacity!r}")
+        if self.device is None:
+            return
+        if isinstance(self.device, bool) or not isinstance(self.device, int) or self.device < 0:
+            raise InvalidArgumentError(f"device must be a CUDA device number >= 0, got {self.device!r}")
+        if not self.gpu_capacity:
+            raise InvalidArgumentError(f"--device {self.device} picks the GPU of the GPU segments; give "
+                                       "--gpu-capacity too")
+
+    @property
+    def control_endpoints(self) -> tuple[Endpoint, ...]:
+        """The unix:// and tcp:// addresses (control connections); ucx:// is a data endpoint."""
+        return tuple(ep for ep in self.endpoints if ep.scheme != "ucx")
+
+
+class _Publisher:
+    """Master listener: forwards to the server's ``on_published`` / ``on_unpublished`` hooks."""
+
+    def __init__(self, server: "Server"):
+        self.server = server
+
+    def published(self, replica: Replica) -> None:
+        self.server.on_published(replica)
+
+    def unpublished(self, replica: Replica) -> None:
+        self.server.on_unpublished(replica)
+
+
+class Server:
+    """The daemon. Extension points for subclasses (e.g. a cluster node): ``session_class``,
+    ``on_published`` / ``on_unpublished`` (called synchronously by the master on the loop), and
+    ``start`` / ``shutdown`` (call super)."""
+
+    session_class: type[Session] = Session
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.host_id = host_id()
+        self.pid = os.getpid()
+        self.sessions: set[Session] = set()
+        self.ucx = None  # kvstore.transports.ucx_server.UcxDataServer while a --listen ucx:// endpoint runs
+        self.gpu: GpuMemory | None = None  # with --gpu-capacity
+        self.waiters: dict[str, list[asyncio.Future]] = {}
+        self.draining = False
+        self._listeners: list[socket.socket] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._stopped = asyncio.Event()
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        self._bind_all()  # first: a daemon that cannot listen must not leave memory behind
+        for name in reap_orphans():
+            log.info("removed shared memory %s left by a dead daemon", name)
+        try:
+            self._create_memory()
+            self.metrics = Metrics(self.stats if cfg.metrics_port is not None else None)
+            if cfg.metrics_port is not None:
+                self.metrics.serve(cfg.metrics_port)
+            self._start_data_endpoints()
+        except BaseException:
+            self._close_listeners()
+            self._release_memory()
+            raise
+        loop = asyncio.get_running_loop()
+        for lsock, ep in zip(self._listeners, cfg.control_endpoints):
+            self._spawn(self._accept(lsock, ep))
+        self._spawn(self._housekeeping())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        log.info("serving %s, capacity %d bytes, segments %s", ", ".join(map(str, cfg.endpoints)), cfg.capacity,
+                 [s.name for s in self.segments.segments])
+
+    def _start_data_endpoints(self) -> None:
+        for ep in self.config.endpoints:
+            if ep.scheme == "ucx":
+                self.ucx = start_ucx(ep, asyncio.get_running_loop())
+
+    def _bind_all(self) -> None:
+        try:
+            for ep in self.config.control_endpoints:
+                self._listeners.append(self._bind(ep))
+        except BaseException:
+            self._close_listeners()
+            raise
+
+    def _close_listeners(self) -> None:
+        for lsock, ep in zip(self._listeners, self.config.control_endpoints):
+            lsock.close()
+            if ep.scheme == "unix":
+                _remove_stale_socket(ep.path)
+        self._listeners.clear()
+
+    def _release_memory(self) -> None:
+        if self.ucx is not None:  # first: nothing may still move bytes in or out of the segments
+            self.ucx.close()
+            self.ucx = None
+        if self.gpu is not None:  # waits for staging copies and unpins the host segments before they go
+            self.gpu.close()
+            self.gpu = None
+        index_shm = getattr(self, "_index_shm", None)
+        if index_shm is not None:
+            index_shm.unlink()
+            index_shm.close()
+        segments = getattr(self, "segments", None)
+        if segments is not None:
+            segments.close()
+
+    def _create_memory(self) -> None:
+        cfg = self.config
+        self.segments = SegmentSet([cfg.capacity])
+        slots = shm_index.slots_for_capacity(cfg.capacity)
+        self._index_shm = SharedMemory.create(f"{self.segments.stem}-index", shm_index.table_bytes(slots))
+        self.index = shm_index.IndexWriter(self._index_shm.buf, slots)
+        sizes, tiers = [cfg.capacity], [Tier.HOST]
+        if cfg.gpu_capacity:
+            self.gpu = GpuMemory(cfg.device or 0, [cfg.gpu_capacity], first_id=len(sizes), host=self.segments)
+            sizes.append(cfg.gpu_capacity)
+            tiers.append(Tier.GPU)
+            log.info("GPU segments: %d bytes on GPU %d (%s); %d bytes of host segments page-locked",
+                     cfg.gpu_capacity, self.gpu.device, self.gpu.bus_id, self.gpu.pinned_bytes)
+        self.master = Master(sizes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
+                             policy=LRUPolicy(self.index.atime), listener=_Publisher(self), tiers=tiers)
+
+    def _bind(self, ep: Endpoint) -> socket.socket:
+        if ep.scheme == "unix":
+            _refuse_if_live(ep.path)
+            _remove_stale_socket(ep.path)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old = os.umask(0o177)  # created 0600: no window where others could connect
+            try:
+                sock.bind(ep.path)
+            finally:
+                os.umask(old)
+        else:
+            family = socket.AF_INET6 if ":" in ep.host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((ep.host, ep.port))
+        sock.listen(256)
+        sock.setblocking(False)
+        return sock
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, lsock: socket.socket, ep: Endpoint) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.draining:
+            try:
+                conn, addr = await loop.sock_accept(lsock)
+            except OSError:
+                if self.draining:
+                    return
+                raise
+            conn.setblocking(False)
+            tune(conn)
+            peer = f"{ep}" if ep.scheme == "unix" else f"tcp://{addr[0]}:{addr[1]}"
+            session = self.session_class(self, conn, peer)
+            self.sessions.add(session)
+            self._spawn(session.run())
+
+    async def _housekeeping(self) -> None:
+        while not self.draining:
+            await asyncio.sleep(0.5)
+            self.master.expire()
+            silent = set(self.master.silent_clients(self.config.heartbeat_timeout))
+            for session in list(self.sessions):
+                if session.client in silent and not session.busy:  # a long wait() is not silence
+                    log.warning("client %s silent for over %.0f s: dropping it", session.peer,
+                                self.config.heartbeat_timeout)
+                    session.close()
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def serve_forever(self) -> None:
+        """Run until ``request_stop`` (SIGTERM/SIGINT), then shut down gracefully."""
+        await self._stopped.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let in-flight requests finish (up to the grace period), then free everything."""
+        log.info("shutting down: %d sessions", len(self.sessions))
+        self.draining = True
+        for lsock in self._listeners:
+            lsock.close()
+        deadline = time.monotonic() + self.config.grace
+        while any(s.busy for s in self.sessions) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for session in list(self.sessions):
+            session.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for ep in self.config.endpoints:
+            if ep.scheme == "unix":
+                _remove_stale_socket(ep.path)
+        self._release_memory()
+        log.info("stopped")
+
+    # ---- master hooks -------------------------------------------------------------------------------
+    def on_published(self, replica: Replica) -> None:
+        """A version became visible: show it in the shared-memory index and wake waiters."""
+        meta = replica.meta
+        if self.master.tier_of(replica) is Tier.HOST:  # clients read GPU-resident objects through the daemon
+            self.index.publish(meta.key, replica.id, replica.segment, replica.offset, meta.size,
+                               replica.expires_at, meta.checksum)
+        for fut in self.waiters.pop(meta.key, ()):
+            if not fut.done():
+                fut.set_result(meta.key)
+
+    def on_unpublished(self, replica: Replica) -> None:
+        self.index.unpublish(replica.key, replica.id)
+
+    # ---- services for sessions ----------------------------------------------------------------------
+    @property
+    def served_transports(self) -> tuple[str, ...]:
+        return SERVED_TRANSPORTS + (("ucx",) if self.ucx is not None else ()) + \
+            (("cuda_ipc",) if self.gpu is not None else ())
+
+    def choose_transport(self, requested: str, client_host: str, peer: str, offered: list[str] | tuple = ()) -> str:
+        """The data path of a new connection. ``offered``: the transports the client can run (a client that
+        offers none gets shm or tcp)."""
+        same_host = client_host == self.host_id
+        served = self.served_transports
+        if requested == "auto":
+            prefs = (SAME_HOST_PREFERENCE if same_host else REMOTE_PREFERENCE) + ("tcp",)
+            return next(t for t in prefs if t in served and (t in offered or t in SERVED_TRANSPORTS))
+        if requested not in served:
+            raise TransportError(f"transport {requested!r} is not served here; this daemon serves "
+                                 f"{list(served)}{_SERVE_HINTS.get(requested, '')}")
+        if requested in SAME_HOST_ONLY and not same_host:
+            raise TransportError(f"transport {requested!r} needs the client on the daemon's host ({self.host_id}); "
+                                 f"client {peer} is on {client_host or 'an unknown host'}")
+        return requested
+
+    def index_info(self) -> list:
+        return [self._index_shm.name, self._index_shm.size]
+
+    def stats(self) -> dict:
+        out = self.master.stats()
+        out["clients_by_transport"] = {}
+        for s in self.sessions:
+            out["clients_by_transport"][s.transport] = out["clients_by_transport"].get(s.transport, 0) + 1
+        out["connections"] = [{"client": s.name, "peer": s.peer, "transport": s.transport, "path": s.data_path}
+                              for s in list(self.sessions)[:256]]
+        out["transports"] = list(self.served_transports)
+        if self.gpu is not None:
+            out["gpu"] = self.gpu.info()
+        out["listen"] = [str(ep) for ep in self.config.endpoints]
+        out["pid"] = self.pid
+        return out
+
+    async def wait_for(self, keys: list[str], timeout: float) -> str | None:
+        for key in keys:
+            if self.master.exists(key):
+                return key
+        fut = self.add_waiter(keys)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self.forget_waiter(keys, fut)
+
+    def add_waiter(self, keys: list[str]) -> asyncio.Future:
+        """A future resolved (by ``on_published``) with the first of ``keys`` to be committed."""
+        fut = asyncio.get_running_loop().create_future()
+        for key in keys:
+            self.waiters.setdefault(key, []).append(fut)
+        return fut
+
+    def forget_waiter(self, keys: list[str], fut: asyncio.Future) -> None:
+        for key in keys:
+            futs = self.waiters.get(key)
+            if futs and fut in futs:
+                futs.remove(fut)
+                if not futs:
+                    del self.waiters[key]
+
+
+def _remove_stale_socket(path: str) -> None:
+    try:
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _refuse_if_live(path: str) -> None:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # nothing listening: a leftover socket file at most
+    finally:
+        probe.close()
+    raise InvalidArgumentError(f"another daemon is already listening on unix://{path}")
+
+
+def run(config: ServerConfig, server_class: type[Server] = Server, **server_kwargs) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+
+    async def main() -> None:
+        server = server_class(config, **server_kwargs)
+        await server.start()
+        await server.serve_forever()
+
+    if uvloop is not None:
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+    return 0

@@ -1,0 +1,338 @@
+"""Session: one client connection of the daemon — framing, validation, and the ops it serves.
+
+Payload bytes of the stream path move between the socket and segment memory directly
+(``sock_recv_into`` / ``sock_sendall`` on memoryviews of the segment). A bad request gets an error reply and
+the connection stays usable; broken framing (an oversized or truncated frame, a put whose payload cannot be
+skipped) closes the connection. Every other client is unaffected either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+import hmac
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvstore.protocol import wire
+from kvstore.core.master import describe_replica
+from kvstore.errors import (AuthenticationError, InvalidArgumentError, KVStoreError, ObjectTooLargeError,
+                            ProtocolError, ServerError, TransportError)
+from kvstore.daemon.gpu_ops import GpuOps
+from kvstore.core.meta import ObjectMeta
+from kvstore.daemon.ucx_ops import UcxOps
+
+if TYPE_CHECKING:
+    from kvstore.daemon.server import Server
+
+log = logging.getLogger("kvstore.daemon.server")
+_BUFFER = 64 << 10
+_INLINE_REPLY = 64 << 10  # stream replies up to this size go out in one send with their header
+
+
+class _Closed(Exception):
+    """The peer went away (or framing broke): end the session."""
+
+
+class Session(GpuOps, UcxOps):
+    def __init__(self, server: "Server", sock: socket.socket, peer: str):
+        self.server, self.sock, self.peer = server, sock, peer
+        self.loop = asyncio.get_running_loop()
+        self.client: int | None = None
+        self.name = ""
+        self.transport = "none"
+        self.client_host = ""
+        self._buf = bytearray(_BUFFER)
+        self._start = self._end = 0
+        self.busy = False
+        self._unread_payload = False
+
+    # ---- framing ------------------------------------------------------------------------------------
+    async def _fill(self, n: int) -> None:
+        """Make at least ``n`` unread bytes available in the buffer."""
+        if self._end - self._start >= n:
+            return
+        if len(self._buf) - self._start < n:
+            keep = self._buf[self._start:self._end]
+            if len(self._buf) < n:
+                self._buf = bytearray(max(n, 2 * len(self._buf)))
+            self._buf[:len(keep)] = keep
+            self._start, self._end = 0, len(keep)
+        view = memoryview(self._buf)
+        while self._end - self._start < n:
+            got = await self.loop.sock_recv_into(self.sock, view[self._end:])
+            if got == 0:
+                raise _Closed("truncated frame" if self._end > self._start else "")
+            self._end += got
+
+    async def _read_frame(self) -> dict | None:
+        try:
+            await self._fill(4)
+        except _Closed as exc:
+            if str(exc):
+                raise
+            return None  # clean end of stream between frames
+        n = wire.frame_length(self._buf[self._start:self._start + 4])
+        await self._fill(4 + n)
+        body = memoryview(self._buf)[self._start + 4:self._start + 4 + n]
+        self._start += 4 + n
+        try:
+            return wire.decode(body)
+        finally:
+            body.release()
+
+    async def _read_into(self, view: memoryview) -> None:
+        """Receive exactly len(view) payload bytes: buffered ones first, then straight from the socket."""
+        take = min(len(view), self._end - self._start)
+        view[:take] = self._buf[self._start:self._start + take]
+        self._start += take
+        got = take
+        while got < len(view):
+            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                raise _Closed(f"peer closed after {got} of {len(view)} payload bytes")
+            got += n
+
+    async def _skip(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20)))
+        while n > 0:
+            chunk = scratch[:min(n, len(scratch))]
+            await self._read_into(chunk)
+            n -= len(chunk)
+
+    async def _send(self, message: dict, payload: memoryview | None = None) -> None:
+        frame = wire.encode(message)
+        if payload is not None:
+            self.server.metrics.bytes_out(len(payload))
+            if len(payload) <= _INLINE_REPLY:
+                frame += payload
+                payload = None
+        await self.loop.sock_sendall(self.sock, frame)
+        if payload is not None:
+            await self.loop.sock_sendall(self.sock, payload)
+
+    # ---- loop ---------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            while not self.server.draining:
+                try:
+                    message = await self._read_frame()
+                except ProtocolError as exc:  # oversized frame: the stream cannot be resynchronised
+                    log.warning("client %s: %s; closing connection", self.peer, exc)
+                    await self._send(wire.error_reply(0, exc))
+                    break
+                if message is None:
+                    break
+                self.busy = True
+                try:
+                    await self._dispatch(message)
+                finally:
+                    self.busy = False
+        except _Closed as exc:
+            if str(exc):
+                log.warning("client %s: %s; closing connection", self.peer, exc)
+        except (ConnectionError, OSError) as exc:
+            log.info("client %s disconnected: %s", self.peer, exc)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._close_data()  # cancel UCX transfers into segment memory before their space is freed
+        if self.client is not None:
+            puts, leases = self.server.master.drop_client(self.client)
+            if puts or leases:
+                log.info("client %s gone: revoked %d pending puts, released %d leases", self.peer, puts, leases)
+            self.client = None
+        self.server.sessions.discard(self)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    async def _dispatch(self, message: dict) -> None:
+        started = time.perf_counter()
+        rid = message.get("id") if isinstance(message.get("id"), int) else 0
+        op = message.get("op") if isinstance(message.get("op"), str) else "?"
+        self._unread_payload = op == "put" and message.get("mode") == "stream"
+        try:
+            op, rid, fields = wire.validate(message)
+            if self.client is None and op != "hello":
+                raise AuthenticationError("the first request on a connection must be hello")
+            if self.client is not None:
+                self.server.master.heartbeat(self.client)
+            reply = await getattr(self, f"op_{op}")(rid, fields)
+            result = "ok"
+        except _Closed:
+            raise
+        except KVStoreError as exc:
+            result = exc.code
+            log.info("client %s op %s failed: %s", self.peer, op, exc)
+            reply = wire.error_reply(rid, exc)
+            if self._unread_payload:
+                await self._drain_put(message, exc)
+            if isinstance(exc, AuthenticationError):
+                await self._send(reply)
+                raise _Closed("authentication failed") from None
+        except Exception as exc:  # a bug: report it, keep serving everyone
+            result = "Server"
+            log.exception("client %s op %s crashed", self.peer, op)
+            reply = wire.error_reply(rid, ServerError(f"internal error in {op}: {type(exc).__name__}: {exc}"))
+        self.server.metrics.op(op if op in wire.SCHEMA else "unknown", result, time.perf_counter() - started)
+        if reply is not None and not message.get("noreply"):
+            await self._send(reply)
+
+    async def _drain_put(self, message: dict, exc: Exception) -> None:
+        """A refused stream put still has its payload in flight: skip it, or close if it cannot be trusted."""
+        self._unread_payload = False
+        size = message.get("size")
+        if isinstance(exc, ObjectTooLargeError) or not isinstance(size, int) or isinstance(size, bool) \
+                or size < 0 or size > self.server.master.capacity:
+            await self._send(wire.error_reply(message.get("id", 0) if isinstance(message.get("id"), int) else 0,
+                                              exc))
+            raise _Closed(f"refused a streamed put ({exc}); payload cannot be skipped safely")
+        await self._skip(size)
+
+    def _ok(self, rid: int, **fields: Any) -> dict:
+        return {"v": wire.VERSION, "id": rid, "ok": True, **fields}
+
+    # ---- ops ----------------------------------------------------------------------------------------
+    async def op_hello(self, rid: int, f: dict) -> dict:
+        server = self.server
+        if server.config.token is not None and not hmac.compare_digest(
+                (f["token"] or "").encode(), server.config.token.encode()):
+            raise AuthenticationError("wrong or missing token")
+        self.transport = server.choose_transport(f["transport"], f["host"], self.peer, f["transports"])
+        self.client_host = f["host"]
+        if self.client is None:
+            self.client = server.master.register_client(f["client"])
+        self.name = f["client"] or self.peer
+        return self._ok(rid, client_id=self.client, transport=self.transport, host=server.host_id,
+                        segments=server.segments.describe(), index=server.index_info(),
+                        capacity=server.master.capacity, max_frame=wire.MAX_FRAME,
+                        heartbeat_s=server.config.heartbeat_timeout, pid=server.pid,
+                        transports=list(server.served_transports))
+
+    async def op_ping(self, rid: int, f: dict) -> dict:
+        return self._ok(rid)
+
+    async def op_put(self, rid: int, f: dict) -> dict:
+        meta = ObjectMeta.from_wire(f["meta"])
+        if meta.key != f["key"] or meta.size != f["size"]:
+            raise InvalidArgumentError(f"put of {f['key']!r}: meta names key {meta.key!r} size {meta.size}, "
+                                       f"request says size {f['size']}")
+        if f["mode"] == "region":
+            self._require_shm()  # before anything is reserved
+        if f["checksum"] is not None:
+            meta = replace(meta, checksum=f["checksum"])
+        master = self.server.master
+        replica = master.begin_put(meta, self.client, if_absent=f["if_absent"], pin=f["pin"],
+                                   ephemeral=f["ephemeral"])
+        if f["mode"] == "region":
+            return self._ok(rid, put_id=replica.id, segment=replica.segment, offset=replica.offset)
+        if f["mode"] == "ucx":
+            return self._ucx_put_reply(rid, replica)
+        try:
+            region = self.server.segments[replica.segment].view(replica.offset, meta.size)
+            self._unread_payload = False
+            await self._read_into(region)
+            region.release()
+        except BaseException:
+            if self.client is not None:
+                master.abort(replica.id)
+            raise
+        self.server.metrics.bytes_in(meta.size)
+        if f["defer"]:
+            return self._ok(rid, put_id=replica.id)
+        return self._committed(rid, master.commit(replica.id))
+
+    async def op_commit(self, rid: int, f: dict) -> dict:
+        master = self.server.master
+        replica = master.pending(f["put_id"])
+        if replica.client != self.client:
+            raise InvalidArgumentError(f"put {f['put_id']} belongs to another client")
+        await self._landed([f["put_id"]])
+        self.server.metrics.bytes_in(replica.size)
+        return self._committed(rid, master.commit(f["put_id"], f["checksum"]))
+
+    async def op_commit_many(self, rid: int, f: dict) -> dict:
+        master = self.server.master
+        for pid in f["put_ids"]:
+            if master.pending(pid).client != self.client:
+                raise InvalidArgumentError(f"put {pid} belongs to another client")
+        await self._landed(f["put_ids"])
+        replicas = master.commit_many(f["put_ids"], f["checksums"])
+        return self._ok(rid, versions=[r.meta.version for r in replicas], created=[r.meta.created for r in replicas])
+
+    def _committed(self, rid: int, replica) -> dict:
+        return self._ok(rid, version=replica.meta.version, created=replica.meta.created)
+
+    async def op_abort(self, rid: int, f: dict) -> dict:
+        if self.server.master.pending(f["put_id"]).client != self.client:
+            raise InvalidArgumentError(f"put {f['put_id']} belongs to another client")
+        self._cancel_landing(f["put_id"])
+        self.server.master.abort(f["put_id"])
+        return self._ok(rid)
+
+    async def op_get(self, rid: int, f: dict) -> dict | None:
+        master = self.server.master
+        if f["mode"] == "region":
+            self._require_shm()  # before the lease is taken
+        lease = master.lease(f["key"], self.client)
+        replica = lease.replica
+        if self._on_gpu(replica):  # these paths cannot map GPU memory: the daemon copies it to the host
+            return await self._staged_get(rid, f, lease)
+        if f["mode"] == "region":
+            return self._ok(rid, meta=replica.meta.to_wire(), segment=replica.segment, offset=replica.offset,
+                            size=replica.size, lease=lease.id)
+        if f["mode"] == "ucx" and replica.size > _INLINE_REPLY:
+            return self._ucx_get_reply(rid, lease)
+        try:
+            region = self.server.segments[replica.segment].view(replica.offset, replica.size)
+            await self._send(self._ok(rid, meta=replica.meta.to_wire(), stream=replica.size), region)
+            region.release()
+        finally:
+            if self.client is not None:
+                master.release(lease.id)
+        return None
+
+    async def op_release(self, rid: int, f: dict) -> dict:
+        self.server.master.release(f["lease"], client=self.client)
+        self._drop_staging(f["lease"])
+        return self._ok(rid)
+
+    async def op_lease(self, rid: int, f: dict) -> dict:
+        lease = self.server.master.lease(f["key"], self.client)
+        return self._ok(rid, lease=lease.id, meta=lease.replica.meta.to_wire())
+
+    async def op_exists(self, rid: int, f: dict) -> dict:
+        return self._ok(rid, value=self.server.master.exists(f["key"]))
+
+    async def op_batch_exists(self, rid: int, f: dict) -> dict:
+        return self._ok(rid, value=[self.server.master.exists(k) for k in f["keys"]])
+
+    async def op_evict(self, rid: int, f: dict) -> dict:
+        return self._ok(rid, value=self.server.master.evict(f["key"]))
+
+    async def op_remove(self, rid: int, f: dict) -> dict:
+        return self._ok(rid, value=self.server.master.remove(f["key"]))
+
+    async def op_inspect(self, rid: int, f: dict) -> dict:
+        master = self.server.master
+        replica = master.lookup(f["key"])
+        return self._ok(rid, value={**describe_replica(replica, master.clock()), "tier": master.tier_of(replica).value})
+
+    async def op_stats(self, rid: int, f: dict) -> dict:
+        return self._ok(rid, value=self.server.stats())
+
+    async def op_ls(self, rid: int, f: dict) -> dict:
+        keys = self.server.master.keys(f["prefix"])
+        return self._ok(rid, value=keys[:f["limit"]], total=len(keys))
+
+    async def op_wait(self, rid: int, f: dict) -> dict:
+        return self._ok(rid, value=await self.server.wait_for(f["keys"], f["timeout"]))
+
+    def _require_shm(self) -> None:
+        if self.transport not in ("shm", "cuda_ipc"):  # both map the daemon's shared memory
+            raise TransportError(f"region mode needs the shm transport; this connection uses {self.transport}")

@@ -1,0 +1,94 @@
+"""Segment: host memory the store owns, backed by POSIX shared memory so same-host clients can map it.
+
+Names are ``kvstore-<pid>-<nonce>-<n>`` (segments) and ``kvstore-<pid>-<nonce>-index``; the daemon unlinks
+them at shutdown, and a daemon starting up unlinks those whose owner process is gone (a SIGKILLed daemon).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+
+from kvstore.memory.shm import SHM_DIR, SharedMemory
+
+PREFIX = "kvstore-"
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    id: int
+    shm: SharedMemory
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    @property
+    def size(self) -> int:
+        return self.shm.size
+
+    def view(self, offset: int, length: int) -> memoryview:
+        return self.shm.buf[offset:offset + length]
+
+    def close(self, unlink: bool = True) -> None:
+        if unlink and self.shm.owner:
+            self.shm.unlink()
+        self.shm.close()
+
+
+class SegmentSet:
+    """The segments of one store, created together under one name stem."""
+
+    def __init__(self, sizes: list[int], *, private: bool = False):
+        self.stem = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self.segments: list[Segment] = []
+        try:
+            for i, size in enumerate(sizes):
+                self.segments.append(Segment(i, SharedMemory.create(f"{self.stem}-{i}", size, unlink_now=private)))
+        except BaseException:
+            self.close()
+            raise
+
+    def __getitem__(self, i: int) -> Segment:
+        return self.segments[i]
+
+    def describe(self) -> list[list]:
+        """[[id, name, size], ...] for clients to map."""
+        return [[s.id, s.name, s.size] for s in self.segments]
+
+    def close(self) -> None:
+        for seg in self.segments:
+            seg.close()
+        self.segments = []
+
+
+def reap_orphans() -> list[str]:
+    """Unlink kvstore shared memory left by processes that no longer exist; returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid_text = name[len(PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

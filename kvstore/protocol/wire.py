@@ -1,0 +1,211 @@
+"""The control wire: length-prefixed msgpack frames with a hard maximum, a schema version, and a validator
+for every field of every op. Never pickle.
+
+Frame: ``u32 little-endian length`` + a msgpack map. A request is ``{"v": 1, "id": n, "op": name, ...}``; a
+reply is ``{"v": 1, "id": n, "ok": true, ...}`` or ``{"v": 1, "id": n, "ok": false, "error": code,
+"message": text}``. Payload bytes of the stream data path follow a frame raw: after a ``put`` request
+(``size`` bytes) or after a ``get`` reply that carries ``stream: size``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Callable
+
+import msgpack
+
+from kvstore.errors import InvalidArgumentError, InvalidKeyError, ProtocolError
+from kvstore.core.meta import MAX_KEY_BYTES, validate_key, validate_ttl
+
+VERSION = 1
+MAX_FRAME = 1 << 20
+LENGTH = struct.Struct("<I")
+
+
+def encode(message: dict) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(body)} bytes exceeds the maximum of {MAX_FRAME}")
+    return LENGTH.pack(len(body)) + body
+
+
+def frame_length(header: bytes | memoryview) -> int:
+    (n,) = LENGTH.unpack(header)
+    if n > MAX_FRAME:
+        raise ProtocolError(f"frame of {n} bytes exceeds the maximum of {MAX_FRAME}")
+    return n
+
+
+def decode(body: bytes | memoryview) -> dict:
+    try:
+        message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME,
+                                  max_str_len=MAX_FRAME, max_array_len=1 << 16, max_map_len=1 << 16)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"frame must hold a map, got {type(message).__name__}")
+    return message
+
+
+# ---- field validators -------------------------------------------------------------------------------
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"field {name!r} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"field {name!r} must be a bool, got {value!r}")
+    return value
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str) or len(value) > 4096:
+        raise InvalidArgumentError(f"field {name!r} must be a str of at most 4096 chars, got {value!r:.80}")
+    return value
+
+
+def _opt_str(value: Any, name: str) -> str | None:
+    return None if value is None else _str(value, name)
+
+
+def _key(value: Any, name: str) -> str:
+    return validate_key(value)
+
+
+def _keys(value: Any, name: str) -> list[str]:
+    if not isinstance(value, list) or len(value) > 4096:
+        raise InvalidArgumentError(f"field {name!r} must be a list of at most 4096 keys")
+    return [validate_key(k) for k in value]
+
+
+def _ttl(value: Any, name: str) -> float | None:
+    return validate_ttl(value)
+
+
+def _seconds(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
+        raise InvalidArgumentError(f"field {name!r} must be between 0 and 3600 seconds, got {value!r}")
+    return float(value)
+
+
+def _mode(value: Any, name: str) -> str:
+    if value not in ("stream", "region", "ucx"):
+        raise InvalidArgumentError(f"field {name!r} must be 'stream', 'region' or 'ucx', got {value!r}")
+    return value
+
+
+def _bin(value: Any, name: str) -> bytes:
+    if not isinstance(value, bytes) or not 0 < len(value) <= 65536:
+        raise InvalidArgumentError(f"field {name!r} must be 1 to 65536 bytes, got {type(value).__name__}")
+    return value
+
+
+def _names(value: Any, name: str) -> list[str]:
+    if not isinstance(value, list) or len(value) > 32:
+        raise InvalidArgumentError(f"field {name!r} must be a list of at most 32 names")
+    return [_str(v, name) for v in value]
+
+
+def _via(value: Any, name: str) -> str:
+    if value not in ("auto", "address", "listener"):
+        raise InvalidArgumentError(f"field {name!r} must be 'auto', 'address' or 'listener', got {value!r}")
+    return value
+
+
+def _map(value: Any, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"field {name!r} must be a map, got {type(value).__name__}")
+    return value
+
+
+def _opt_int(value: Any, name: str) -> int | None:
+    return None if value is None else _int(value, name)
+
+
+def _ints(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or len(value) > 4096:
+        raise InvalidArgumentError(f"field {name!r} must be a list of at most 4096 ints")
+    return [_int(v, name) for v in value]
+
+
+def _opt_ints(value: Any, name: str) -> list[int | None]:
+    if not isinstance(value, list) or len(value) > 4096:
+        raise InvalidArgumentError(f"field {name!r} must be a list of at most 4096 ints or nulls")
+    return [_opt_int(v, name) for v in value]
+
+
+Field = tuple[Callable[[Any, str], Any], bool, Any]  # validator, required, default
+
+_KEY: dict[str, Field] = {"key": (_key, True, None)}
+SCHEMA: dict[str, dict[str, Field]] = {
+    "hello": {"client": (_str, False, ""), "token": (_opt_str, False, None), "transport": (_str, False, "auto"),
+              "host": (_str, False, ""), "pid": (_int, False, 0), "transports": (_names, False, [])},
+    "ping": {},
+    "put": {"key": (_key, True, None), "size": (_int, True, None), "meta": (_map, True, None),
+            "if_absent": (_bool, False, False), "pin": (_bool, False, False), "mode": (_mode, True, None),
+            "checksum": (_opt_int, False, None), "ephemeral": (_bool, False, False), "defer": (_bool, False, False)},
+    "commit": {"put_id": (_int, True, None), "checksum": (_opt_int, False, None)},
+    "commit_many": {"put_ids": (_ints, True, None), "checksums": (_opt_ints, True, None)},
+    "abort": {"put_id": (_int, True, None)},
+    "get": {"key": (_key, True, None), "mode": (_mode, True, None)},
+    "release": {"lease": (_int, True, None)},
+    "lease": dict(_KEY),
+    "exists": dict(_KEY),
+    "batch_exists": {"keys": (_keys, True, None)},
+    "evict": dict(_KEY),
+    "remove": dict(_KEY),
+    "inspect": dict(_KEY),
+    "stats": {},
+    "ls": {"prefix": (lambda v, n: "" if v == "" else _str(v, n), False, ""), "limit": (_int, False, 100000)},
+    "wait": {"keys": (_keys, True, None), "timeout": (_seconds, True, None)},
+    "ucx_connect": {"address": (_bin, True, None), "via": (_via, False, "auto")},
+    "ucx_claim": {"conn": (_int, True, None)},
+}
+
+
+def register_op(name: str, fields: dict[str, Field]) -> None:
+    """Add an op to the schema (used by extensions such as the cluster node); names must be new."""
+    if name in SCHEMA:
+        raise ValueError(f"op {name!r} is already defined")
+    SCHEMA[name] = fields
+
+
+def validate(message: dict) -> tuple[str, int, dict]:
+    """Check version, id, op and every field; returns (op, request id, clean fields).
+
+    Raises ProtocolError for a bad version or unknown op, InvalidArgumentError/InvalidKeyError for fields."""
+    if message.get("v") != VERSION:
+        raise ProtocolError(f"schema version {message.get('v')!r} is not supported (this side speaks {VERSION})")
+    rid = message.get("id")
+    if isinstance(rid, bool) or not isinstance(rid, int):
+        raise ProtocolError(f"request id must be an int, got {rid!r}")
+    op = message.get("op")
+    schema = SCHEMA.get(op) if isinstance(op, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown op {op!r}")
+    fields: dict = {}
+    for name, (check, required, default) in schema.items():
+        if name in message:
+            fields[name] = check(message[name], name)
+        elif required:
+            raise InvalidArgumentError(f"op {op!r} needs field {name!r}")
+        else:
+            fields[name] = default
+    unknown = set(message) - set(schema) - {"v", "id", "op", "noreply"}
+    if unknown:
+        raise InvalidArgumentError(f"op {op!r} has unknown fields {sorted(unknown)}")
+    return op, rid, fields
+
+
+def error_reply(rid: int, exc: Exception) -> dict:
+    reply = {"v": VERSION, "id": rid, "ok": False, "error": getattr(exc, "code", "Server"), "message": str(exc)}
+    needed = getattr(exc, "needed", None)
+    if needed is not None:
+        reply["extra"] = {"needed": needed, "got": getattr(exc, "got", None)}
+    return reply
+
+
+__all__ = ["VERSION", "MAX_FRAME", "MAX_KEY_BYTES", "encode", "decode", "frame_length", "validate",
+           "error_reply", "InvalidKeyError"]

@@ -1,0 +1,531 @@
+"""Cluster of kvstore daemons with membership and the object directory in Redis, with real processes: a real
+redis-server on a free loopback port and three ``kvstore serve --cluster`` daemons (A, B, C).
+
+Put on A, get from B and C byte-exact (cluster client and plain daemon clients); Redis round trips per remote
+get and per batch; SIGKILL of an owner (KeyNotFoundError within 2 x node TTL, replicas survive); SIGSTOP and
+SIGCONT (bounded errors, rejoin without stale entries); Redis restarted empty (re-register, directory rebuilt);
+a prefill process on A and a decode process on B completing a hand-off; superseding writes and removals;
+TTL/eviction updating the directory; lazy cleanup; Redis AUTH through the URL.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import kvstore
+
+redis = pytest.importorskip("redis", reason="the redis Python client is not installed (pip install redis)")
+if shutil.which("redis-server") is None:
+    pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)", allow_module_level=True)
+
+import handoff_child  # noqa: E402
+from conftest import HELPERS, Daemon, child_env, free_port, short_tmpdir, wait_until  # noqa: E402
+
+from kvstore.cluster.config import ClusterConfig, sentinel_parts  # noqa: E402
+from kvstore.cluster.directory import decode_entry, encode_entry  # noqa: E402
+from kvstore.cluster.store import ClusterURL, Placement  # noqa: E402
+from kvstore.handoff import KVHandoff, request_keys  # noqa: E402
+from kvstore.core.meta import ObjectMeta  # noqa: E402
+
+TTL = 2.0           # node TTL of the test daemons
+PEER_TIMEOUT = 1.0  # bound on one node-to-node call, and on one client call in these tests
+NS = "kvstore"
+pytestmark = pytest.mark.timeout(90)
+
+
+class RedisServer:
+    """A throwaway redis-server on a loopback port (no persistence: a restart loses everything)."""
+
+    def __init__(self, workdir: str, password: str | None = None):
+        self.workdir, self.password = workdir, password
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", self.workdir]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        assert wait_until(self._pong, 10), "redis-server did not start"
+        return self
+
+    def _pong(self) -> bool:
+        try:
+            return self.client().ping()
+        except redis.RedisError:
+            return False
+
+    def client(self) -> "redis.Redis":
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=2)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class Sentinel:
+    """A redis-server in Sentinel mode watching ``redis`` as service ``kvs``."""
+
+    def __init__(self, workdir: str, server: RedisServer):
+        self.port = free_port()
+        self.conf = os.path.join(workdir, f"sentinel-{self.port}.conf")
+        with open(self.conf, "w") as f:
+            f.write(f"port {self.port}\nbind 127.0.0.1\ndir {workdir}\n"
+                    f"sentinel monitor kvs 127.0.0.1 {server.port} 1\n")
+        self.proc = subprocess.Popen(["redis-server", self.conf, "--sentinel"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT)
+        client = redis.Redis(port=self.port, socket_timeout=2)
+        assert wait_until(lambda: _quiet(lambda: client.sentinel_get_master_addr_by_name("kvs")), 10)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def _quiet(fn):
+    try:
+        return fn()
+    except redis.RedisError:
+        return None
+
+
+class ClusterDaemon(Daemon):
+    """``kvstore serve --cluster`` (advertising its own TCP port) that counts as started once registered."""
+
+    def __init__(self, workdir: str, server: RedisServer, redis_url: str, node_id: str, **kw):
+        super().__init__(workdir, **kw)
+        self.server, self.redis_url, self.node_id = server, redis_url, node_id
+
+    def command(self) -> list[str]:
+        return super().command() + ["--cluster", self.redis_url, "--node-id", self.node_id, "--advertise",
+                                    self.tcp_url, "--node-ttl", str(TTL), "--peer-timeout", str(PEER_TIMEOUT),
+                                    "--redis-timeout", "1"]
+
+    def record(self, rds: "redis.Redis") -> dict:
+        return {k.decode(): v.decode() for k, v in rds.hgetall(f"{NS}:node:{self.node_id}").items()}
+
+    def start(self, timeout: float = 30.0) -> "ClusterDaemon":
+        super().start(timeout)
+        rds = self.server.client()
+        ok = wait_until(lambda: self.record(rds).get("pid") == str(self.pid), timeout)
+        assert ok, f"node {self.node_id} did not register:\n{self.log()}"
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a test may have left it stopped
+        super().stop(sig, timeout)
+
+
+class Cluster:
+    def __init__(self, workdir: str, password: str | None = None, sentinel: bool = False):
+        self.workdir = workdir
+        self.stores: list[kvstore.KVStore] = []
+        self.sentinel: Sentinel | None = None
+        self.nodes: dict[str, ClusterDaemon] = {}
+        self.redis = RedisServer(workdir, password).start()
+        try:
+            self.sentinel = Sentinel(workdir, self.redis) if sentinel else None
+            url = f"redis+sentinel://127.0.0.1:{self.sentinel.port}/kvs/0" if sentinel else self.redis.url
+            for name in "ABC":
+                self.nodes[name] = ClusterDaemon(workdir, self.redis, url, name)
+                self.nodes[name].start()
+        except BaseException:
+            for d in self.nodes.values():
+                d.kill()
+            self.close()  # stops what did start; a failed start leaves no process behind
+            raise
+
+    @property
+    def url(self) -> str:
+        if self.sentinel is not None:
+            return f"kvcluster+sentinel://127.0.0.1:{self.sentinel.port}/kvs/0"
+        auth = f":{self.redis.password}@" if self.redis.password else ""
+        return f"kvcluster://{auth}127.0.0.1:{self.redis.port}/0"
+
+    def client(self, node: str | None = None, **options) -> kvstore.KVStore:
+        """A cluster client whose home daemon is ``node``."""
+        query = "&".join(f"{k}={v}" for k, v in {"node": node, **options}.items() if v is not None)
+        store = kvstore.connect(self.url + ("?" + query if query else ""), timeout=PEER_TIMEOUT * 5)
+        self.stores.append(store)
+        return store
+
+    def daemon_client(self, node: str, transport: str = "shm") -> kvstore.KVStore:
+        """A plain client of one daemon, which resolves other nodes' keys itself."""
+        store = self.nodes[node].connect(transport, timeout=PEER_TIMEOUT * 5)
+        self.stores.append(store)
+        return store
+
+    def logs(self) -> str:
+        return "\n".join(f"---- node {name}:\n{d.log()}" for name, d in self.nodes.items())
+
+    def entries(self, key: str) -> dict[str, bytes]:
+        return {k.decode(): v for k, v in self.redis.client().hgetall(f"{NS}:obj:{key}").items()}
+
+    def close(self) -> None:
+        for store in self.stores:
+            try:
+                store.close()
+            except Exception:
+                pass
+        failures = []
+        for d in self.nodes.values():
+            if d.stopped and d.proc is not None:
+                for path in glob.glob(f"/dev/shm/kvstore-{d.pid}-*"):
+                    os.unlink(path)  # a SIGKILLed daemon cannot clean up
+            try:
+                d.stop()
+            except AssertionError as exc:
+                failures.append(str(exc))
+        self.redis.kill()
+        if self.sentinel is not None:
+            self.sentinel.kill()
+        assert not failures, "\n".join(failures)
+
+
+@pytest.fixture
+def cluster():
+    workdir = short_tmpdir()
+    c = Cluster(workdir)
+    yield c
+    c.close()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def payload(key: str, size: int) -> bytes:
+    return np.random.default_rng(zlib.crc32(key.encode())).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+SIZES = [0, 1, 4096, (1 << 20) + 13]
+
+
+# ---- data path ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reader", ["cluster", "daemon-shm", "daemon-tcp"])
+def test_put_on_a_get_from_b_and_c_byte_exact(cluster, reader):
+    a = cluster.client("A")
+    values = {f"x/{n}": payload(f"x/{n}", n) for n in SIZES}
+    for key, value in values.items():
+        a.put(key, value)
+    arr = np.arange(3 * 5 * 7, dtype=np.float16).reshape(3, 5, 7)
+    a.put("x/array", arr, meta={"layer": 3})
+    assert all(set(cluster.entries(k)) == {"A"} for k in values)
+    for node in "BC":
+        s = cluster.client(node) if reader == "cluster" else cluster.daemon_client(node, reader.split("-")[1])
+        for key, value in values.items():
+            assert bytes(s.get(key)) == value
+            buf = bytearray(len(value) + 5)
+            assert s.get_into(key, buf, verify=True) == len(value)
+            assert bytes(buf[:len(value)]) == value
+        obj = s.get("x/array")
+        assert np.array_equal(obj.numpy(), arr) and obj.meta.user == {"layer": 3}
+        outs = [bytearray(len(v)) for v in values.values()]
+        assert s.batch_get_into(list(values), outs) == [len(v) for v in values.values()]
+        assert [bytes(o) for o in outs] == list(values.values())
+        assert s.batch_exists(["x/array", "x/none"]) == [True, False]
+        with pytest.raises(kvstore.KeyNotFoundError):
+            s.get("x/none")
+        with pytest.raises(kvstore.BufferTooSmallError):
+            s.get_into(f"x/{SIZES[-1]}", bytearray(10))
+        assert s.inspect("x/array")["node"] == "A"
+        assert set(values) <= set(s.keys("x/"))
+
+
+def test_remote_get_costs_one_redis_round_trip_and_batches_share_it(cluster):
+    a, c = cluster.client("A"), cluster.client("C")
+    keys = [f"rt/{i}" for i in range(8)]
+    a.batch_put([(k, payload(k, 4096)) for k in keys])
+    buf = bytearray(4096)
+    c.get_into(keys[0], buf)  # warm the connection to A
+    before = c.directory.round_trips
+    c.get_into(keys[1], buf)
+    assert c.directory.round_trips - before == 1
+    before = c.directory.round_trips
+    c.batch_get_into(keys, [bytearray(4096) for _ in keys])
+    assert c.directory.round_trips - before == 1
+    before = c.directory.round_trips
+    assert c.batch_exists(keys) == [True] * 8
+    assert c.directory.round_trips - before == 1
+    # a key on the home daemon is read through its shared-memory index: no Redis at all
+    before = a.directory.round_trips
+    a.get_into(keys[2], buf)
+    assert a.directory.round_trips - before == 0
+    # the daemon path: one lookup per remote get
+    b = cluster.daemon_client("B")
+    b.get_into(keys[3], buf)
+    reads = b.stats()["cluster"]["directory"]["reads"]
+    b.get_into(keys[4], buf)
+    assert b.stats()["cluster"]["directory"]["reads"] - reads == 1
+
+
+def test_a_burst_of_puts_costs_few_directory_writes(cluster):
+    a = cluster.daemon_client("A")
+    flushes = a.stats()["cluster"]["directory"]["flushes"]
+    a.batch_put([(f"burst/{i}", b"v" * 100) for i in range(200)])
+    stats = a.stats()["cluster"]["directory"]
+    assert stats["flushes"] - flushes <= 2 and stats["backlog"] == 0
+    assert cluster.client("B").batch_exists([f"burst/{i}" for i in range(200)]) == [True] * 200
+
+
+def test_replicas_and_balanced_placement(cluster):
+    r = cluster.client("A", replicas=2)
+    r.put("rep/k", b"twice")
+    holders = set(cluster.entries("rep/k"))
+    assert len(holders) == 2 and "A" in holders
+    balanced = cluster.client(placement="balanced", replicas=3)
+    balanced.put("rep/all", b"thrice")
+    assert set(cluster.entries("rep/all")) == {"A", "B", "C"}
+
+
+# ---- failures -----------------------------------------------------------------------------------------
+def test_sigkill_owner_keys_missing_within_two_ttls_replicas_survive(cluster):
+    a, b, c = cluster.client("A"), cluster.client("B"), cluster.client("C")
+    a.put("kill/a", b"on A")
+    b.put("kill/b", b"on B")
+    c.put("kill/c", b"on C")
+    cluster.client("A", replicas=2).put("kill/r", b"on A and one more")
+    plain_b = cluster.daemon_client("B")
+    assert bytes(plain_b.get("kill/a")) == b"on A"
+    cluster.nodes["A"].kill()
+    killed = time.monotonic()
+    for reader in (b, plain_b):
+        while True:
+            began = time.monotonic()
+            try:
+                reader.get("kill/a")
+            except kvstore.KeyNotFoundError:
+                break
+            finally:
+                assert time.monotonic() - began < PEER_TIMEOUT * 2 + 1, "a get of a dead node's key hung"
+            assert time.monotonic() - killed < 2 * TTL, "A's keys still served after 2 x node TTL"
+            time.sleep(0.05)
+    assert time.monotonic() - killed < 2 * TTL
+    assert "A" not in cluster.entries("kill/a")  # cleaned lazily by the lookup that found it dead
+    for reader in (b, c, plain_b):
+        assert bytes(reader.get("kill/b")) == b"on B" and bytes(reader.get("kill/c")) == b"on C"
+        assert bytes(reader.get("kill/r")) == b"on A and one more"
+    assert not b.exists("kill/a")
+
+
+def test_sigstop_partition_bounded_then_rejoins_without_stale_entries(cluster):
+    a, c = cluster.client("A"), cluster.client("C")
+    b = kvstore.connect(cluster.url + "?node=B", transport="tcp", timeout=PEER_TIMEOUT)
+    cluster.stores.append(b)
+    a.put("stop/k1", b"old value")
+    a.put("stop/k3", b"removed while A was away")
+    a.put("stop/keep", b"lost with A's lapse")
+    b.put("stop/b", b"B's own")
+    rds = cluster.redis.client()
+    old_epoch = cluster.nodes["A"].record(rds)["epoch"]
+    cluster.nodes["A"].send(signal.SIGSTOP)
+    stopped = time.monotonic()
+    outcomes = []
+    while True:
+        began = time.monotonic()
+        try:
+            b.get("stop/k1")
+            outcomes.append("ok")
+        except kvstore.KeyNotFoundError:
+            outcomes.append("missing")
+        except kvstore.StoreConnectionError:
+            outcomes.append("error")
+        assert time.monotonic() - began < PEER_TIMEOUT * 2 + 1, f"a get hung while A was stopped: {outcomes}"
+        if outcomes[-1] == "missing" and not rds.exists(f"{NS}:node:A"):
+            break
+        assert time.monotonic() - stopped < 2 * TTL + 2 * PEER_TIMEOUT, f"no bounded miss: {outcomes}"
+    assert bytes(b.get("stop/b")) == b"B's own"
+    b.put("stop/k1", b"new value, written on B")
+    assert b.remove("stop/k3") is False  # A's entry already lapsed: nothing live to remove
+    cluster.nodes["A"].send(signal.SIGCONT)
+    assert wait_until(lambda: cluster.nodes["A"].record(rds).get("epoch", old_epoch) != old_epoch, 10), \
+        cluster.nodes["A"].log()
+    plain_a = cluster.daemon_client("A")
+    for reader in (plain_a, c, cluster.client("A")):
+        assert bytes(reader.get("stop/k1")) == b"new value, written on B"
+        for gone in ("stop/k3", "stop/keep"):
+            with pytest.raises(kvstore.KeyNotFoundError):
+                reader.get(gone)
+            assert not reader.exists(gone)
+    assert plain_a.stats()["cluster"]["lapses"] == 1
+    a2 = cluster.client("A")
+    a2.put("stop/new", b"after rejoin")
+    try:
+        assert bytes(c.get("stop/new")) == b"after rejoin"
+    except kvstore.KeyNotFoundError as exc:
+        raise AssertionError(f"{exc}; entries {cluster.entries('stop/new')}; {a2.stats()['nodes']['A']}\n"
+                             f"{cluster.logs()}") from None
+    assert "A" in cluster.entries("stop/new")
+
+
+def test_redis_restart_reregisters_and_rebuilds_directory(cluster):
+    a, b = cluster.client("A"), cluster.client("B")
+    a.put("rr/a", payload("rr/a", 100_000))
+    b.put("rr/b", payload("rr/b", 5000))
+    plain_a = cluster.daemon_client("A")
+    cluster.redis.kill()
+    assert bytes(plain_a.get("rr/a")) == payload("rr/a", 100_000)  # local reads need no Redis
+    plain_a.put("rr/outage", b"written while Redis was down")
+    with pytest.raises(kvstore.KeyNotFoundError):
+        plain_a.get("rr/b")  # remote keys cannot be resolved meanwhile: a bounded miss
+    cluster.redis.start()  # same port, empty
+    rds = cluster.redis.client()
+    for d in cluster.nodes.values():
+        assert wait_until(lambda: d.record(rds).get("pid") == str(d.pid), 10), d.log()
+    assert wait_until(lambda: {"A"} <= set(cluster.entries("rr/outage")) and "B" in cluster.entries("rr/b"), 10), \
+        cluster.logs()
+    assert "A" in cluster.entries("rr/a")
+    c = cluster.client("C")
+    assert bytes(c.get("rr/a")) == payload("rr/a", 100_000)
+    assert bytes(c.get("rr/b")) == payload("rr/b", 5000)
+    assert bytes(c.get("rr/outage")) == b"written while Redis was down"
+    assert plain_a.stats()["cluster"]["rebuilds"] >= 1
+    assert plain_a.stats()["cluster"]["lapses"] == 0
+
+
+# ---- hand-off across nodes ------------------------------------------------------------------------------
+@pytest.mark.parametrize("decoder", ["daemon", "cluster"])
+def test_handoff_prefill_on_a_decode_on_b(cluster, decoder):
+    layout = handoff_child.layout()
+    consumer = cluster.daemon_client("B") if decoder == "daemon" else cluster.client("B")
+    h = KVHandoff(consumer, layout, chunk_blocks=1)
+    producer = subprocess.Popen([sys.executable, os.path.join(HELPERS, "handoff_child.py"), "publish",
+                                 cluster.url + "?node=A", "req1", "6"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=child_env())
+    try:
+        dst = [torch.zeros(layout.cache_shape(8)) for _ in range(layout.num_layers)]
+        meta = h.fetch("req1", dst, [7, 6, 5, 4, 3, 2], timeout=30)  # waits: published on A, notified on B
+        out, err = producer.communicate(timeout=30)
+        assert producer.returncode == 0, err.decode()[-3000:]
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+    assert meta.num_blocks == 6 and b"published" in out
+    src = handoff_child.caches(6)
+    for c_src, c_dst in zip(src, dst):
+        assert torch.equal(c_dst[:, [7, 6, 5, 4, 3, 2]], c_src[:, :6])
+    keys = request_keys("req1")
+    c = cluster.client("C")
+    assert not c.exists(keys["meta"]) and not any(c.batch_exists(list(meta.chunk_keys)))
+    plain_a = cluster.daemon_client("A")  # A dropped its chunks when B removed them
+    assert wait_until(lambda: not any(k.startswith("hf/req1/chunk") for k in plain_a.keys("hf/")), 5)
+
+
+# ---- directory upkeep ------------------------------------------------------------------------------------
+def test_superseding_write_and_removal_reach_every_node(cluster):
+    a, b = cluster.client("A"), cluster.client("B")
+    plain_a = cluster.daemon_client("A")
+    a.put("sup/k", b"first, on A")
+    b.put("sup/k", b"second, on B")
+    assert set(cluster.entries("sup/k")) == {"B"}
+    assert wait_until(lambda: bytes(plain_a.get("sup/k")) == b"second, on B", 5)  # A dropped its copy
+    r = cluster.client("A", replicas=3)
+    r.put("sup/r", b"same bytes everywhere")
+    assert set(cluster.entries("sup/r")) == {"A", "B", "C"}  # equal content: copies coexist
+    assert cluster.client("C").remove("sup/r") is True
+    assert cluster.entries("sup/r") == {}
+    assert wait_until(lambda: not any(cluster.daemon_client(n).exists("sup/r") for n in "ABC"), 5)
+    assert cluster.client("C").remove("sup/r") is False
+
+
+def test_ttl_and_eviction_update_the_directory(cluster):
+    a, c = cluster.client("A"), cluster.client("C")
+    a.put("up/ttl", b"short-lived", ttl=0.5)
+    assert c.exists("up/ttl")
+    assert wait_until(lambda: cluster.entries("up/ttl") == {}, 5)
+    with pytest.raises(kvstore.KeyNotFoundError):
+        c.get("up/ttl")
+    a.put("up/evict", b"evict me")
+    assert c.evict("up/evict") is True  # C asks A, the owner
+    assert wait_until(lambda: cluster.entries("up/evict") == {}, 5)
+
+
+def test_entry_of_a_missing_object_is_cleaned_on_first_miss(cluster):
+    rds = cluster.redis.client()
+    epoch = cluster.nodes["B"].record(rds)["epoch"]
+    ghost = encode_entry(epoch, ObjectMeta(key="ghost", size=3, checksum=1, version=7))
+    rds.hset(f"{NS}:obj:ghost", "B", ghost)
+    rds.hset(f"{NS}:obj:stale", "B", encode_entry("old-epoch", ObjectMeta(key="stale", size=3)))
+    c = cluster.client("C")
+    with pytest.raises(kvstore.KeyNotFoundError):
+        c.get("ghost")
+    assert cluster.entries("ghost") == {}
+    assert not c.exists("stale") and cluster.entries("stale") == {}
+
+
+def test_redis_auth_passes_through_the_url():
+    workdir = short_tmpdir()
+    try:
+        c = Cluster(workdir, password="s3cret")
+        try:
+            a, b = c.client("A"), c.client("B")
+            a.put("auth/k", b"behind a password")
+            assert bytes(b.get("auth/k")) == b"behind a password"
+            with pytest.raises(kvstore.AuthenticationError):
+                kvstore.connect(f"kvcluster://:wrong@127.0.0.1:{c.redis.port}/0", timeout=2)
+            bad = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--listen",
+                                  f"tcp://127.0.0.1:{free_port()}", "--cluster",
+                                  f"redis://:wrong@127.0.0.1:{c.redis.port}/0", "--node-id", "D"],
+                                 capture_output=True, text=True, timeout=60, env=child_env(), cwd=workdir)
+            assert bad.returncode == 2 and "refused the credentials" in bad.stderr, bad.stderr[-2000:]
+        finally:
+            c.close()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_members_find_redis_through_sentinel():
+    workdir = short_tmpdir()
+    try:
+        c = Cluster(workdir, sentinel=True)
+        try:
+            c.client("A").put("sentinel/k", b"found through Sentinel")
+            assert bytes(c.client("C").get("sentinel/k")) == b"found through Sentinel"
+            assert bytes(c.daemon_client("B").get("sentinel/k")) == b"found through Sentinel"
+        finally:
+            c.close()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ---- configuration (no daemons) ----------------------------------------------------------------------------
+def test_cluster_urls_and_config_validation():
+    u = ClusterURL.parse("kvcluster://:pw@10.0.0.5:6380/2?node=n1&replicas=2&placement=balanced&ssl_ca_certs=x")
+    assert u.redis_url == "redis://:pw@10.0.0.5:6380/2?ssl_ca_certs=x"
+    assert (u.node, u.replicas, u.placement) == ("n1", 2, Placement.BALANCED)
+    assert ClusterURL.parse("kvclusters://h:1/0").redis_url == "rediss://h:1/0"
+    assert ClusterURL.parse("kvcluster+sentinel://:pw@s1:26379,s2:26380/svc/3?node=n").redis_url == \
+        "redis+sentinel://:pw@s1:26379,s2:26380/svc/3"
+    assert sentinel_parts("redis+sentinel://:pw@s1:26379,s2/svc/3") == ([("s1", 26379), ("s2", 26379)], "svc", 3, "pw")
+    for bad in ("redis://h:1/0", "kvcluster://h:1/0?replicas=0", "kvcluster://h:1/0?placement=far",
+                "kvcluster://h:1/0?node=a%20b"):
+        with pytest.raises(kvstore.InvalidArgumentError):
+            ClusterURL.parse(bad)
+    ok = dict(redis_url="redis://h:1/0", node_id="n1", advertise="tcp://10.0.0.1:7000")
+    ClusterConfig(**ok)
+    for change in ({"advertise": "unix:///tmp/x"}, {"node_id": "has space"}, {"node_ttl": 0.1},
+                   {"redis_url": "http://h"}, {"peer_transport": "carrier-pigeon"},
+                   {"redis_url": "redis+sentinel://s1:26379"}):
+        with pytest.raises(kvstore.InvalidArgumentError):
+            ClusterConfig(**{**ok, **change})
+    meta = ObjectMeta(key="k", size=5, checksum=0xABC, version=9, user={"a": 1})
+    entry = decode_entry("k", "n1", encode_entry("ep-1", meta), "tcp://x:1", "host")
+    assert (entry.epoch, entry.checksum, entry.version, entry.size, entry.meta) == \
+        ("ep-1", f"{0xABC:016x}", 9, 5, meta)
+    assert decode_entry("k", "n1", b"garbage", "", "") is None

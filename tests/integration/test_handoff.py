@@ -1,0 +1,201 @@
+"""KVHandoff: publish/fetch through embedded and daemon stores, mismatch, time-out, cancel, TTL reclaim,
+a producer killed mid-publish, prefix lookup across processes, and fetching into reordered blocks."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import kvstore
+from kvstore.handoff import KVHandoff, request_keys
+
+import handoff_child as child  # noqa: E402
+from conftest import HELPERS, child_env, wait_until  # noqa: E402
+
+LAYOUT = child.layout()
+BS = LAYOUT.block_size
+
+
+def zeros(num_blocks, layout=LAYOUT):
+    return [torch.zeros(layout.cache_shape(num_blocks), dtype=layout.dtype) for _ in range(layout.num_layers)]
+
+
+def blocks(caches, ids):
+    return [c[:, ids].clone() for c in caches]
+
+
+@pytest.fixture(params=["embedded", "daemon-shm", "daemon-tcp"])
+def hstore(request, daemon_factory):
+    if request.param == "embedded":
+        s = kvstore.KVStore.embedded(capacity="64MiB")
+    else:
+        d = daemon_factory(capacity="64MiB")
+        s = d.connect("shm" if request.param == "daemon-shm" else "tcp")
+    yield s
+    s.close()
+
+
+def status_bytes(store, rid):
+    return store.inspect(request_keys(rid)["status"])["reserved"]
+
+
+def test_roundtrip_into_reordered_blocks(hstore):
+    src = child.caches(12, seed=1)
+    dst = zeros(12)
+    h = KVHandoff(hstore, LAYOUT, chunk_blocks=2)
+    tokens = list(range(5 * BS - 3))
+    h.publish("r1", src, [7, 2, 9, 0, 4], num_tokens=len(tokens), token_ids=tokens).wait()
+    meta = h.fetch("r1", dst, [11, 3, 5, 1, 8], num_tokens=len(tokens))
+    assert meta.num_blocks == 5 and meta.fingerprint == LAYOUT.fingerprint()
+    for c_src, c_dst in zip(src, dst):
+        assert torch.equal(c_dst[:, [11, 3, 5, 1, 8]], c_src[:, [7, 2, 9, 0, 4]])
+        untouched = [b for b in range(12) if b not in (11, 3, 5, 1, 8)]
+        assert torch.count_nonzero(c_dst[:, untouched]) == 0
+    assert not hstore.exists(request_keys("r1")["meta"])
+    # prefix-keyed chunks stay as prefix cache (another request may share them) until their TTL
+    assert h.lookup(tokens) == len(tokens)
+    assert [r["state"] for r in KVHandoff.requests(hstore)] == ["fetched"]
+
+
+def test_request_scoped_chunks_released_after_fetch(hstore):
+    h = KVHandoff(hstore, LAYOUT, chunk_blocks=2)
+    base = hstore.stats()["used_bytes"]
+    h.publish("r2", child.caches(8), [1, 2, 3], num_tokens=3 * BS).wait()  # no token ids: request-scoped keys
+    h.fetch("r2", zeros(8), [4, 5, 6])
+    # only the small status record is left (it outlives the request for `kvstore requests`)
+    assert hstore.stats()["used_bytes"] == base + status_bytes(hstore, "r2")
+
+
+def test_concurrent_requests_sharing_a_prefix(hstore):
+    h = KVHandoff(hstore, LAYOUT, chunk_blocks=1)
+    shared = list(range(3 * BS))
+    src = child.caches(8, seed=11)
+    h.publish("a", src, [0, 1, 2, 3], num_tokens=4 * BS, token_ids=shared + [1] * BS).wait()
+    h.publish("b", src, [0, 1, 2, 4], num_tokens=4 * BS, token_ids=shared + [2] * BS).wait()
+    dst_a, dst_b = zeros(8), zeros(8)
+    h.fetch("a", dst_a, [7, 6, 5, 4])  # must not take away the chunks "b" shares with it
+    h.fetch("b", dst_b, [0, 1, 2, 3])
+    assert torch.equal(dst_b[0][:, [0, 1, 2, 3]], src[0][:, [0, 1, 2, 4]])
+
+
+def test_layout_mismatch_leaves_cache_untouched(hstore):
+    KVHandoff(hstore, LAYOUT).publish("r", child.caches(4), [0, 1], num_tokens=2 * BS).wait()
+    other = kvstore.KVLayout(**{**child.LAYOUT, "dtype": "float16"})
+    dst = [torch.full(other.cache_shape(4), 3.0, dtype=torch.float16) for _ in range(other.num_layers)]
+    with pytest.raises(kvstore.LayoutMismatchError, match="dtype.*float32.*float16"):
+        KVHandoff(hstore, other).fetch("r", dst, [0, 1])
+    assert all(torch.all(c == 3.0) for c in dst)
+    dst32 = [c.float() for c in dst]
+    with pytest.raises(kvstore.LayoutMismatchError, match="2 blocks.*3 block ids"):
+        KVHandoff(hstore, LAYOUT).fetch("r", dst32, [0, 1, 2])
+    with pytest.raises(kvstore.LayoutMismatchError, match="32 tokens.*expects 31"):
+        KVHandoff(hstore, LAYOUT).fetch("r", dst32, [0, 1], num_tokens=31)
+    assert all(torch.all(c == 3.0) for c in dst32)
+
+
+def test_timeout(hstore):
+    t0 = time.monotonic()
+    with pytest.raises(kvstore.HandoffTimeoutError):
+        KVHandoff(hstore, LAYOUT).fetch("never", zeros(2), [0], timeout=0.5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_fetch_is_woken_by_publish(hstore):
+    h = KVHandoff(hstore, LAYOUT)
+    src, dst, got = child.caches(4, seed=3), zeros(4), {}
+    waiter = threading.Thread(target=lambda: got.setdefault("meta", h.fetch("late", dst, [2, 3], timeout=10)))
+    waiter.start()
+    time.sleep(0.3)
+    KVHandoff(hstore, LAYOUT).publish("late", src, [0, 1], num_tokens=2 * BS).wait()
+    waiter.join(10)
+    assert got["meta"].request_id == "late"
+    assert torch.equal(dst[0][:, [2, 3]], src[0][:, [0, 1]])
+
+
+def test_cancel_reclaims_at_once_and_aborts_waiters(hstore):
+    h = KVHandoff(hstore, LAYOUT)
+    base = hstore.stats()["used_bytes"]
+    h.publish("c", child.caches(8), list(range(6)), num_tokens=6 * BS).wait()
+    assert hstore.stats()["used_bytes"] > base + 6 * LAYOUT.block_nbytes
+    h.cancel("c")
+    extra = status_bytes(hstore, "c") + hstore.inspect(request_keys("c")["cancel"])["reserved"]
+    assert hstore.stats()["used_bytes"] == base + extra
+    with pytest.raises(kvstore.HandoffAbortedError, match="cancelled"):
+        h.fetch("c", zeros(8), list(range(6)), timeout=2)
+    states = {r["request_id"]: r["state"] for r in KVHandoff.requests(hstore)}
+    assert states["c"] == "cancelled"
+
+
+def test_unfetched_request_reclaimed_at_ttl(hstore):
+    h = KVHandoff(hstore, LAYOUT, status_ttl=30)
+    base = hstore.stats()["used_bytes"]
+    h.publish("old", child.caches(4), [0, 1, 2], num_tokens=3 * BS, ttl=0.5).wait()
+    assert hstore.exists(request_keys("old")["meta"])
+    assert wait_until(lambda: hstore.stats()["used_bytes"] == base + status_bytes(hstore, "old"), timeout=10)
+    assert not hstore.exists(request_keys("old")["meta"])
+    assert {r["request_id"]: r["state"] for r in KVHandoff.requests(hstore)}["old"] == "expired"
+
+
+def test_prefix_lookup_across_processes_and_fetch_prefix(daemon_factory):
+    d = daemon_factory(capacity="64MiB")
+    store = d.connect("shm")
+    h = KVHandoff(store, LAYOUT, chunk_blocks=1)
+    prompt = [(7 * i) % 1000 for i in range(4 * BS + 5)]
+    src = child.caches(8, seed=5)
+    h.publish("p", src, [4, 5, 6, 7, 0], num_tokens=len(prompt), token_ids=prompt).wait()
+    h.fetch("p", zeros(8), [0, 1, 2, 3, 4], keep=True)  # keep the chunks for reuse
+    longer = prompt[:3 * BS] + [1, 2, 3] * 9  # shares exactly three whole blocks
+    assert h.lookup(prompt) == len(prompt)
+    assert h.lookup(longer) == 3 * BS
+    # another process (different PYTHONHASHSEED) computes the same keys
+    env = child_env()
+    env["PYTHONHASHSEED"] = "12345"
+    out = subprocess.run([sys.executable, os.path.join(HELPERS, "handoff_child.py"), "lookup", d.unix_url,
+                          ",".join(map(str, longer))], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) == 3 * BS
+    dst = zeros(8)
+    assert h.fetch_prefix(longer, dst, [1, 3, 5, 7]) == 3 * BS
+    for c_src, c_dst in zip(src, dst):
+        assert torch.equal(c_dst[:, [1, 3, 5]], c_src[:, [4, 5, 6]])
+        assert torch.count_nonzero(c_dst[:, 7]) == 0
+    store.close()
+
+
+def test_producer_killed_mid_publish_leaves_nothing(daemon_factory):
+    d = daemon_factory(capacity="256MiB")
+    store = d.connect("shm")
+    base = store.stats()["used_bytes"]
+    proc = subprocess.Popen([sys.executable, os.path.join(HELPERS, "handoff_child.py"), "publish", d.unix_url,
+                             "dead", "1500"], env=child_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "claimed"
+        # kill while chunks are still being written (1500 one-block chunks of 128 KiB)
+        assert wait_until(lambda: store.stats()["pending"] > 0, timeout=20, interval=0.001)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        proc.kill()
+    keys = request_keys("dead")
+    with pytest.raises(kvstore.HandoffAbortedError, match="went away|cancelled|disappeared"):
+        KVHandoff(store, LAYOUT).fetch("dead", zeros(2), [0], timeout=5)
+    assert not store.exists(keys["meta"]) and not store.exists(keys["claim"])
+    assert wait_until(lambda: store.stats()["pending"] == 0, timeout=5)
+    assert store.stats()["used_bytes"] == base + status_bytes(store, "dead")
+    assert {r["request_id"]: r["state"] for r in KVHandoff.requests(store)}["dead"] == "aborted"
+    store.close()
+
+
+def test_bad_arguments(hstore):
+    h = KVHandoff(hstore, LAYOUT)
+    with pytest.raises(ValueError, match="need 2 blocks"):
+        h.publish("x", child.caches(4), [0], num_tokens=BS + 1)
+    with pytest.raises(kvstore.InvalidArgumentError):
+        h.publish("a/b", child.caches(4), [0], num_tokens=BS)
+    with pytest.raises(ValueError, match="token_ids has 3"):
+        h.publish("x", child.caches(4), [0], num_tokens=BS, token_ids=[1, 2, 3])

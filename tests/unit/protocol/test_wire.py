@@ -1,0 +1,64 @@
+import msgpack
+import pytest
+
+from kvstore.protocol import wire
+from kvstore.errors import InvalidArgumentError, InvalidKeyError, ProtocolError
+
+
+def req(**kw):
+    return {"v": 1, "id": 1, **kw}
+
+
+def test_roundtrip():
+    frame = wire.encode(req(op="ping"))
+    n = wire.frame_length(frame[:4])
+    assert wire.decode(frame[4:4 + n]) == req(op="ping")
+
+
+def test_frame_limits():
+    with pytest.raises(ProtocolError):
+        wire.frame_length((wire.MAX_FRAME + 1).to_bytes(4, "little"))
+    with pytest.raises(ProtocolError):
+        wire.encode(req(op="ping", blob=b"x" * (wire.MAX_FRAME + 1)))
+
+
+@pytest.mark.parametrize("body", [b"\xc1", b"\x92\x01", msgpack.packb([1, 2]), msgpack.packb({1: 2})])
+def test_malformed(body):
+    with pytest.raises(ProtocolError):
+        wire.decode(body)
+
+
+def test_validate_ok_and_defaults():
+    op, rid, f = wire.validate(req(op="get", key="a", mode="stream"))
+    assert (op, rid, f) == ("get", 1, {"key": "a", "mode": "stream"})
+    _, _, f = wire.validate(req(op="ls"))
+    assert f["prefix"] == "" and f["limit"] > 0
+
+
+@pytest.mark.parametrize("message,error", [
+    ({"v": 2, "id": 1, "op": "ping"}, ProtocolError),
+    ({"v": 1, "id": "x", "op": "ping"}, ProtocolError),
+    (req(op="nope"), ProtocolError),
+    (req(op="get", mode="stream"), InvalidArgumentError),
+    (req(op="get", key="a", mode="carrier-pigeon"), InvalidArgumentError),
+    (req(op="get", key="", mode="stream"), InvalidKeyError),
+    (req(op="get", key="k" * 1025, mode="stream"), InvalidKeyError),
+    (req(op="get", key=b"\xff\xfe", mode="stream"), InvalidKeyError),
+    (req(op="get", key=5, mode="stream"), InvalidKeyError),
+    (req(op="put", key="a", size=-1, meta={}, mode="stream"), InvalidArgumentError),
+    (req(op="put", key="a", size=True, meta={}, mode="stream"), InvalidArgumentError),
+    (req(op="put", key="a", size=1, meta=[], mode="stream"), InvalidArgumentError),
+    (req(op="ping", extra=1), InvalidArgumentError),
+    (req(op="wait", keys=["a"], timeout=-1), InvalidArgumentError),
+])
+def test_validate_rejects(message, error):
+    with pytest.raises(error):
+        wire.validate(message)
+
+
+def test_error_reply_carries_sizes():
+    from kvstore.errors import BufferTooSmallError, error_from_wire
+
+    reply = wire.error_reply(3, BufferTooSmallError("small", needed=10, got=5))
+    exc = error_from_wire(reply["error"], reply["message"], reply.get("extra"))
+    assert isinstance(exc, BufferTooSmallError) and (exc.needed, exc.got) == (10, 5)
