@@ -8,8 +8,8 @@ import multiprocessing as mp
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

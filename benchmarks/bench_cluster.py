@@ -63,7 +63,7 @@ def redis_server(workdir: str):
                 break
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start")
+                    raise RuntimeError("redis-server did not start") from None
                 time.sleep(0.05)
         yield port, client
     finally:
@@ -187,7 +187,7 @@ def node_counters(url: str, names: list[str]) -> dict:
 
     rt, p50, p99 = 0, [], []
     with contextlib.closing(kvstore.connect(url, timeout=30)) as store:
-        for node, s in store.stats()["nodes"].items():
+        for s in store.stats()["nodes"].values():
             d = s["cluster"]["directory"]
             rt += d["flushes"] + d["reads"]
             if d["flush_p50_ms"] is not None:

@@ -98,9 +98,9 @@ def bench_size(ipc: kvstore.KVStore, shm: kvstore.KVStore, size: int, device: to
     key = f"bench/{size}"
     for path, store in (("cuda_ipc", ipc), ("shm", shm)):
         store.put(key, src)
-        put = measure(lambda: store.put(key, src), size)
+        put = measure(lambda store=store: store.put(key, src), size)
         out.zero_()
-        get = measure(lambda: store.get_into(key, out), size)
+        get = measure(lambda store=store: store.get_into(key, out), size)
         if not torch.equal(out, src):
             raise RuntimeError(f"{path}: get_into returned wrong bytes at size {size}")
         store.remove(key)

@@ -8,8 +8,9 @@ engines do today).
 Every timed iteration touches cold memory: fresh random block ids from a cache larger than the last-level
 cache, and packed / memcpy buffers rotated over at least 4x that cache, so memcpy is the DRAM-to-DRAM (or
 HBM-to-HBM) ceiling and not a cache-to-cache one. Variants are interleaved within each iteration, so noise
-from other processes lands on all of them alike, and the ratios are medians of per-iteration ratios. Columns: ``op`` is the public call (validation included;
-on CUDA that includes reading the ids back), ``kernel`` the copy alone (pre-validated arguments).
+from other processes lands on all of them alike, and the ratios are medians of per-iteration ratios. Columns:
+``op`` is the public call (validation included; on CUDA that includes reading the ids back), ``kernel`` the copy
+alone (pre-validated arguments).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 
 from kvstore import KVLayout, KVLayoutKind, ops
+
 DEFAULT_BLOCKS = {"cpu": "1,4,16,64,256", "cuda": "1,8,64,512,2048"}
 TARGETS = {"cpu": (0.8, 2.0), "cuda": (0.7, 3.0)}  # (x memcpy, x torch loop), for pages >= 16 KiB
 MIN_TARGET_PAGE = 16 << 10
@@ -146,11 +148,11 @@ def bench_size(layout: KVLayout, caches, n: int, args, device: torch.device) -> 
     rows = []
     for op in args.ops:
         gather = op == "gather"
-        kernels = [kernel_only(layout.kind, caches, ids, buf, gather) for ids, buf in zip(id_sets, packed)]
+        kernels = [kernel_only(layout.kind, caches, ids, buf, gather) for ids, buf in zip(id_sets, packed, strict=True)]
         variants: dict[str, Callable[[int], object]] = {
             "op": (lambda i: ops.gather_pages(caches, id_sets[i], packed[i], layout=layout)) if gather else
                   (lambda i: ops.scatter_pages(packed[i], id_sets[i], caches, layout=layout)),
-            "kernel": lambda i: kernels[i](),
+            "kernel": lambda i, kernels=kernels: kernels[i](),
             "memcpy": lambda i: memcpy(scratch[i], packed[i].view(-1).view(torch.uint8)),
             "torch": (lambda i: torch_gather(layout.kind, caches, id_sets[i], packed[i])) if gather else
                      (lambda i: torch_scatter(layout.kind, packed[i], id_sets[i], caches)),
@@ -164,7 +166,7 @@ def bench_size(layout: KVLayout, caches, n: int, args, device: torch.device) -> 
                 fn = variants[name]
                 # Each call takes the next ids and buffers in the rotation, so no variant finds data that the
                 # one before it left in the cache.
-                clock.time(name, lambda: fn(step % rotation))
+                clock.time(name, lambda fn=fn, step=step: fn(step % rotation))
                 step += 1
             clock.end_round()
         rows.append(make_row(op, n, layout, nbytes, clock.samples, args.warmup, device))
@@ -176,8 +178,8 @@ def make_row(op: str, n: int, layout: KVLayout, nbytes: int, samples, warmup: in
     median = {name: statistics.median(values) for name, values in timed.items()}
     gbps = {name: nbytes / t / 1e9 for name, t in median.items()}
     # Ratios are medians of per-round ratios: the variants of one round ran back to back, under the same load.
-    vs_memcpy = statistics.median(m / o for m, o in zip(timed["memcpy"], timed["op"]))
-    vs_torch = statistics.median(t / o for t, o in zip(timed["torch"], timed["op"]))
+    vs_memcpy = statistics.median(m / o for m, o in zip(timed["memcpy"], timed["op"], strict=True))
+    vs_torch = statistics.median(t / o for t, o in zip(timed["torch"], timed["op"], strict=True))
     want_memcpy, want_torch = TARGETS[device.type]
     if layout.page_nbytes < MIN_TARGET_PAGE:
         verdict = "n/a"
@@ -191,7 +193,8 @@ def make_row(op: str, n: int, layout: KVLayout, nbytes: int, samples, warmup: in
 
 # -- report ----------------------------------------------------------------------------------------------------------
 COLUMNS = [("op", "{:<7}"), ("blocks", "{:>6}"), ("page_kib", "{:>8.0f}"), ("mib", "{:>8.1f}"),
-           ("op_gbps", "{:>8.2f}"), ("op_p50_us", "{:>10.0f}"), ("op_p99_us", "{:>10.0f}"), ("kernel_gbps", "{:>11.2f}"),
+           ("op_gbps", "{:>8.2f}"), ("op_p50_us", "{:>10.0f}"), ("op_p99_us", "{:>10.0f}"),
+           ("kernel_gbps", "{:>11.2f}"),
            ("memcpy_gbps", "{:>11.2f}"), ("torch_gbps", "{:>10.2f}"), ("vs_memcpy", "{:>9.2f}"),
            ("vs_torch", "{:>8.1f}"), ("meets_target", "{:>12}")]
 

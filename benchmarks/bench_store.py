@@ -53,7 +53,7 @@ def daemon(capacity: str, extra_listen: tuple[str, ...] = ()):
                 break
             except kvstore.StoreConnectionError:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("daemon did not start")
+                    raise RuntimeError("daemon did not start") from None
                 time.sleep(0.05)
         yield f"unix://{sock}", f"tcp://127.0.0.1:{port}"
     finally:

@@ -27,7 +27,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -58,7 +58,7 @@ def interleaved(fns: list[Callable[[], object]], size: int, rounds: int = 8) -> 
         for _ in range(1 if size >= (64 << 20) else 3):
             fn()  # warm-up
     while len(times[0]) < n:
-        for fn, acc in zip(fns, times):
+        for fn, acc in zip(fns, times, strict=True):
             for _ in range(min(per, n - len(acc))):
                 t0 = clock()
                 fn()
@@ -242,8 +242,8 @@ def plot(result: dict, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     transports = sorted({r["transport"] for r in result["rows"]}, key=KNOWN.index)
-    colors = dict(zip(KNOWN, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    for ax, op in zip(axes, ("put", "get_into")):
+    colors = dict(zip(KNOWN, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for ax, op in zip(axes, ("put", "get_into"), strict=True):
         for t in transports:
             rows = sorted((r for r in result["rows"] if r["transport"] == t and r["op"] == op),
                           key=lambda r: r["size"])

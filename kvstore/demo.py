@@ -74,7 +74,7 @@ def main() -> int:
             meta = h.fetch("req-1", dst, block_ids, timeout=60)
             producer.join()
             src = _caches(64, seed=1)
-            same = all(torch.equal(d[:, block_ids], s[:, :32]) for d, s in zip(dst, src))
+            same = all(torch.equal(d[:, block_ids], s[:, :32]) for d, s in zip(dst, src, strict=True))
             print(f"hand-off req-1: {meta.num_tokens} tokens, {meta.num_blocks} blocks, {meta.nbytes} B in "
                   f"{h.last_fetch.transfer_s * 1e3:.1f} ms; decode cache matches prefill: {same}")
             for r in KVHandoff.requests(store):

@@ -20,9 +20,11 @@ import math
 import os
 import socket
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from itertools import pairwise
+from typing import Any
 
 import msgpack
 import torch
@@ -30,10 +32,16 @@ import xxhash
 
 from kvstore import ops
 from kvstore.client.store import KVStore
-from kvstore.errors import (HandoffAbortedError, HandoffTimeoutError, InvalidArgumentError, KeyNotFoundError,
-                            LayoutMismatchError, ObjectBusyError)
-from kvstore.layout import KVLayout
 from kvstore.core.meta import RequestMeta
+from kvstore.errors import (
+    HandoffAbortedError,
+    HandoffTimeoutError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+    LayoutMismatchError,
+    ObjectBusyError,
+)
+from kvstore.layout import KVLayout
 
 STATUS_GRACE_S = 600.0  # status records outlive their request by this long, so "expired" can be shown
 _POLL_SLICE_S = 0.25  # how often a waiting consumer also checks that the producer is still alive
@@ -134,7 +142,8 @@ class KVHandoff:
         # The status goes first: a consumer may fetch (and mark it fetched) the moment the batch commits.
         self.store.put(keys["status"], self._status("published", meta), ttl=ttl + self.status_ttl)
         try:
-            self.store.batch_put(list(zip(names, raw)) + [(keys["meta"], msgpack.packb(meta.to_wire()))], ttl=ttl)
+            items = list(zip(names, raw, strict=True)) + [(keys["meta"], msgpack.packb(meta.to_wire()))]
+            self.store.batch_put(items, ttl=ttl)
         finally:
             _quietly(self.store.remove, keys["claim"])
         if self.store.exists(keys["cancel"]):  # cancelled while we were committing: take it back
@@ -278,13 +287,13 @@ class KVHandoff:
     def _read_chunks(self, meta: RequestMeta) -> torch.Tensor:
         packed = torch.empty(ops.packed_shape(self.layout, meta.num_blocks), dtype=self.layout.dtype)
         bounds = [sum(meta.chunk_blocks[:i]) for i in range(len(meta.chunk_blocks) + 1)]
-        chunks = [packed[b0:b1] for b0, b1 in zip(bounds, bounds[1:])]
+        chunks = [packed[b0:b1] for b0, b1 in pairwise(bounds)]
         try:
             self.store.batch_get_into(list(meta.chunk_keys), chunks)  # one directory lookup in a cluster
         except KeyNotFoundError as exc:
             raise HandoffAbortedError(f"request {meta.request_id!r}: a chunk is gone (evicted or expired): "
                                       f"{exc}; recompute") from None
-        for key, chunk, checksum in zip(meta.chunk_keys, chunks, meta.checksums):
+        for key, chunk, checksum in zip(meta.chunk_keys, chunks, meta.checksums, strict=True):
             actual = xxhash.xxh3_64_intdigest(memoryview(chunk.view(torch.uint8).reshape(-1).numpy()))
             if actual != checksum:
                 raise HandoffAbortedError(f"request {meta.request_id!r}: chunk {key} has checksum {actual:#x}, "

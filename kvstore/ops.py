@@ -18,8 +18,8 @@ import collections
 import functools
 import importlib
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -254,7 +254,7 @@ def _extent_bytes(t: torch.Tensor) -> int:
     """Bytes from a tensor's first element to one past its last (torch strides are non-negative)."""
     if t.numel() == 0:
         return 0
-    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
 def _check_disjoint(packed: torch.Tensor, name: str, kv_caches: list[torch.Tensor], ptrs: list[int],
@@ -282,7 +282,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 def _check_writable_caches(kv_caches: list[torch.Tensor], ptrs: list[int]) -> None:
     """Scatter destinations: no element reachable twice, and no layer passed twice."""
     first = kv_caches[0]
-    dims = sorted((st, sz) for sz, st in zip(first.shape, first.stride()) if sz > 1)
+    dims = sorted((st, sz) for sz, st in zip(first.shape, first.stride(), strict=True) if sz > 1)
     extent = 1
     for stride, size in dims:
         if stride < extent:

@@ -23,12 +23,12 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
+import paths as _paths
 import pytest
 
 import kvstore
-import paths as _paths
 
 HELPERS = str(_paths.HELPERS)
 STORE_KINDS = ("embedded", "daemon-shm", "daemon-tcp")
@@ -119,7 +119,7 @@ class Daemon:
             cmd += ["--token-file", self.token_file]
         return cmd + list(self.args)
 
-    def start(self, timeout: float = 30.0) -> "Daemon":
+    def start(self, timeout: float = 30.0) -> Daemon:
         for attempt in range(3):
             log = open(self.log_path, "ab")
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
@@ -185,7 +185,7 @@ class Daemon:
             self.proc.kill()
             self.proc.wait()
             raise AssertionError(f"daemon {pid} did not exit within {timeout} s of {signal.Signals(sig).name}:\n"
-                                 f"{self.log()}")
+                                 f"{self.log()}") from None
         assert rc == 0, f"daemon {pid} exited with {rc} after {signal.Signals(sig).name}:\n{self.log()}"
         assert shm_segments(pid) == [], f"daemon {pid} left shared memory behind: {shm_segments(pid)}"
         assert not os.path.exists(self.unix_path), f"daemon {pid} left its socket {self.unix_path}"

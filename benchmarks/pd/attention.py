@@ -93,7 +93,7 @@ def paged_attention(
     """
     out = torch.empty_like(q)
     offset = 0
-    for chunk, table in zip(batch.chunks, batch.block_tables):
+    for chunk, table in zip(batch.chunks, batch.block_tables, strict=True):
         k, v = cache.gather(layer, table, chunk.context_len)
         end = offset + chunk.num_new
         out[offset:end] = attend(q[offset:end], k, v, scale)

@@ -184,7 +184,7 @@ def compare(cfg: CompareConfig) -> dict:
     names = _unique_names(traces)
     data: dict[str, dict[str, RunData]] = {}
     with _bar(len(traces) * len(cfg.archs), cfg.progress) as bar:
-        for name, trace in zip(names, traces):
+        for name, trace in zip(names, traces, strict=True):
             data[name] = {}
             for arch in cfg.archs:
                 bar.set_postfix_str(f"{name} / {arch.value}")
@@ -193,7 +193,7 @@ def compare(cfg: CompareConfig) -> dict:
     host["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     doc = {
         "machine": host,
-        "setup": _setup(cfg, cost, {name: trace.describe() for name, trace in zip(names, traces)}),
+        "setup": _setup(cfg, cost, {name: trace.describe() for name, trace in zip(names, traces, strict=True)}),
         "results": {name: {arch: run.card for arch, run in by_arch.items()} for name, by_arch in data.items()},
     }
     doc["verdicts"] = verdicts(doc["results"], cfg.slo)

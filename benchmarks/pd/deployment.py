@@ -199,7 +199,8 @@ def _write_outputs(out_dir: Path, records: list, summary: dict, stats: list[dict
     with open(out_dir / "timeline.jsonl", "w") as f:
         for s in stats:
             for step in s["timeline"]:
-                f.write(json.dumps({"worker": s["worker"], "role": s["role"], **dict(zip(TIMELINE_FIELDS, step))})
+                fields = dict(zip(TIMELINE_FIELDS, step, strict=True))
+                f.write(json.dumps({"worker": s["worker"], "role": s["role"], **fields})
                         + "\n")
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -36,7 +36,7 @@ class _Rapl:
 
     def joules(self, start: list[int], end: list[int]) -> float:
         total = 0
-        for p, a, b in zip(self.domains, start, end):
+        for p, a, b in zip(self.domains, start, end, strict=True):
             span = b - a
             if span < 0:  # the counter wrapped
                 span += _read_int(p / "max_energy_range_uj") or 0
@@ -77,7 +77,7 @@ class _Nvml:
 
     @staticmethod
     def joules(start: list[int], end: list[int]) -> float:
-        return sum(b - a for a, b in zip(start, end)) / 1e3
+        return sum(b - a for a, b in zip(start, end, strict=True)) / 1e3
 
 
 class EnergyMeter:
@@ -113,6 +113,7 @@ class EnergyMeter:
     def result(self) -> dict:
         if not self._sources or not self._end:
             return {"joules": NOT_MEASURED, "reason": "; ".join(self._reasons) or "meter never ran"}
-        parts = {name: round(s.joules(a, b), 3) for (name, s), a, b in zip(self._sources, self._start, self._end)}
+        spans = zip(self._sources, self._start, self._end, strict=True)
+        parts = {name: round(s.joules(a, b), 3) for (name, s), a, b in spans}
         return {"joules": round(sum(parts.values()), 3), "by_source": parts,
                 "scope": "whole machine (package / GPU counters), not just this run's processes"}

@@ -14,15 +14,13 @@ from typing import Protocol
 
 import torch
 
-from kvstore.errors import KVStoreError
-
 from benchmarks.pd.attention import AttentionBatch, SeqChunk
 from benchmarks.pd.block_allocator import BlockAllocator
 from benchmarks.pd.kv_cache import CacheSpec, PagedKVCache
 from benchmarks.pd.model import LlamaModel
 from benchmarks.pd.request import Phase, Request
 from benchmarks.pd.scheduler import Chunk, Policy, Scheduler, SchedulerConfig
-
+from kvstore.errors import KVStoreError
 
 #: failures of a hand-off that cost one request, not the worker; anything else is a bug and propagates
 HANDOFF_ERRORS = (KVStoreError, OSError)
@@ -142,7 +140,7 @@ class Engine:
         logits = self.model(torch.tensor(ids, dtype=torch.long), batch, self.cache)
         next_ids = logits.argmax(dim=-1).tolist()
         now = self.clock()
-        for chunk, token in zip(chunks, next_ids):
+        for chunk, token in zip(chunks, next_ids, strict=True):
             request = chunk.request
             request.num_computed = chunk.start + chunk.num_new
             if request.num_computed < request.num_tokens:

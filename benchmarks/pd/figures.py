@@ -81,7 +81,7 @@ def timeline_figure(timelines: dict[str, list[dict]], rows_by_arch: dict[str, li
 
     fig, axes = plt.subplots(len(timelines), 1, figsize=(11, 1.3 + 1.1 * len(timelines)), sharex=True,
                              squeeze=False)
-    for ax, (arch, timeline) in zip(axes[:, 0], timelines.items()):
+    for ax, (arch, timeline) in zip(axes[:, 0], timelines.items(), strict=False):
         roles = {s["worker"]: s["role"] for s in timeline}
         workers = _lanes(ax, timeline)
         ax.set_yticks(range(len(workers)), [f"w{w} {roles[w]}" for w in workers], fontsize=7)

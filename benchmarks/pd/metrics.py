@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 
@@ -99,7 +100,7 @@ def _gaps(rows: list[dict], prefill: dict[int, list[float]]) -> tuple[list[float
         times, worker = row["token_times_s"], row["decode_worker"]
         if row["lost"] or worker is None:
             continue
-        for a, b in zip(times, times[1:]):
+        for a, b in pairwise(times):
             (hit if _overlaps(prefill.get(worker), a, b) else clean).append(b - a)
     return clean, hit
 
@@ -128,7 +129,7 @@ def burst(rows: list[dict]) -> dict | None:
         if row["class"] == "background" or row["lost"]:
             continue
         t = row["token_times_s"]
-        for a, b in zip(t, t[1:]):
+        for a, b in pairwise(t):
             (inside if a < end and b > start else outside).append(b - a)
     i90, o90 = _p(inside, 90), _p(outside, 90)
     return {"background_window_s": [round(start, 3), round(end, 3)],

@@ -16,7 +16,6 @@ import msgpack
 from benchmarks.pd.channel import Channel, ChannelClosedError
 from benchmarks.pd.worker import IDLE_WAIT_S, Worker, WorkerSpec, process_main
 
-
 #: what the worker processes' parent (the forkserver) imports once, so that each worker does not
 WORKER_PRELOAD = ("torch", "torch._dynamo", "kvstore.handoff", "benchmarks.pd.worker")
 

@@ -58,7 +58,8 @@ def table(doc: dict) -> tuple[list[str], list[list[str]]]:
                    _ms2(c["prefill_queue_s"]), _ms2(c["decode_queue_s"]), f"{t['kv_bytes_transferred'] / MiB:.1f}",
                    _ms2(t["transfer_s"]), f"{t['share_of_ttft']['p50'] * 100:.0f}%",
                    f"{m['model_memory_duplication']:g}", _kv(m), _energy(c["energy"]),
-                   f"{s['goodput_rps']:.2f}", f"{s['attainment'] * 100:.0f}% ({s['attainment_interactive'] * 100:.0f}%)",
+                   f"{s['goodput_rps']:.2f}",
+                   f"{s['attainment'] * 100:.0f}% ({s['attainment_interactive'] * 100:.0f}%)",
                    "yes" if s["met"] else "no", _share(c)]
             if fault:
                 f = c["fault"] or {}

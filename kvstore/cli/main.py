@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from kvstore.errors import KVStoreError
 from kvstore.units import format_size, parse_size

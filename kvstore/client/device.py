@@ -14,14 +14,15 @@ verified by copying the bytes back to the host.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-from kvstore.gpu import runtime as gpu
 from kvstore.client.store import PutFlags
 from kvstore.core.digest import Digest
-from kvstore.errors import BufferTooSmallError, InvalidArgumentError, TransportError
 from kvstore.core.meta import ObjectMeta, validate_key
 from kvstore.core.value import Payload
+from kvstore.errors import BufferTooSmallError, InvalidArgumentError, TransportError
+from kvstore.gpu import runtime as gpu
 from kvstore.transports.base import TransportFailure, TransportUnavailable
 from kvstore.transports.cuda_ipc import CudaIpcTransport, DeviceBuffer, ShmDevicePath, device_path
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
-from kvstore.errors import StoreConnectionError
 from kvstore.core.master import Master, Replica, describe_replica
 from kvstore.core.meta import ObjectMeta
-from kvstore.memory.segment import SegmentSet
 from kvstore.core.value import KVObject, Payload
+from kvstore.errors import StoreConnectionError
+from kvstore.memory.segment import SegmentSet
 
 
 class _Notifier:

@@ -9,21 +9,22 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvstore import transports
+from kvstore.client.device import GpuClient
+from kvstore.client.rpc import Connection
 from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
-from kvstore.errors import InvalidArgumentError, ObjectTooLargeError, StoreConnectionError, TransportError
-from kvstore.client.device import GpuClient
-from kvstore.memory.index import IndexReader
 from kvstore.core.meta import ObjectMeta
-from kvstore.client.rpc import Connection
-from kvstore.protocol.url import Endpoint, host_id
 from kvstore.core.value import KVObject, Payload
-from kvstore.transports.base import TransportFailure
+from kvstore.errors import InvalidArgumentError, ObjectTooLargeError, StoreConnectionError, TransportError
 from kvstore.memory.device import DeviceBuffer
+from kvstore.memory.index import IndexReader
 from kvstore.memory.shm import SharedMemory, SharedMemoryError
+from kvstore.protocol.url import Endpoint, host_id
+from kvstore.transports.base import TransportFailure
 from kvstore.transports.shm import ShmTransport
 from kvstore.transports.tcp import StreamTransport
 
@@ -103,7 +104,7 @@ class RemoteStore(GpuClient, KVStore):
                   flags: PutFlags) -> list[ObjectMeta]:
         pending: list[dict] = []
         try:
-            for (meta, payload), digest in zip(items, digests):
+            for (meta, payload), digest in zip(items, digests, strict=True):
                 pending.append(self._send_put(meta, payload, digest, flags, defer=True))
             reply = self._conn.call({"op": "commit_many", "put_ids": [p["put_id"] for p in pending],
                                      "checksums": [p.get("checksum") for p in pending]})
@@ -116,7 +117,7 @@ class RemoteStore(GpuClient, KVStore):
                         pass  # already aborted by a failed commit_many, or the connection is gone
             raise
         return [meta.with_commit(digest(), v, c)
-                for (meta, _), digest, v, c in zip(items, digests, reply["versions"], reply["created"])]
+                for (meta, _), digest, v, c in zip(items, digests, reply["versions"], reply["created"], strict=True)]
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
         if self._index is not None:

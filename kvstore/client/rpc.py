@@ -12,10 +12,10 @@ import collections
 import itertools
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
-from kvstore.protocol import wire
 from kvstore.errors import KVStoreError, ProtocolError, StoreConnectionError, StoreTimeoutError, error_from_wire
+from kvstore.protocol import wire
 from kvstore.protocol.url import Endpoint
 from kvstore.transports.tcp import tune
 
@@ -41,7 +41,7 @@ class Connection:
         sock.settimeout(self.timeout)
         try:
             sock.connect(ep.path if ep.scheme == "unix" else (ep.host, ep.port))
-        except socket.timeout:
+        except TimeoutError:
             sock.close()
             raise StoreTimeoutError(f"connecting to {ep} timed out after {self.timeout} s") from None
         except OSError as exc:
@@ -104,7 +104,7 @@ class Connection:
             return reply
         except KVStoreError:
             raise  # the daemon's typed answer (some are OSError subclasses): not a broken connection
-        except socket.timeout:
+        except TimeoutError:
             self._close_locked()
             raise StoreTimeoutError(f"daemon at {self.endpoint} did not answer {request.get('op')!r} "
                                     f"within {timeout or self.timeout} s") from None

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from kvstore.core.digest import Digest, checksum_of
-from kvstore.errors import BufferTooSmallError, ChecksumError, InvalidArgumentError
 from kvstore.core.meta import ObjectMeta, validate_key, validate_ttl, validate_user_meta
-from kvstore.units import parse_size
 from kvstore.core.value import KVObject, Payload, as_payload, writable_view
+from kvstore.errors import BufferTooSmallError, ChecksumError, InvalidArgumentError
+from kvstore.units import parse_size
+
 
 @dataclass(frozen=True, slots=True)
 class PutFlags:
@@ -35,13 +37,13 @@ class KVStore(ABC):
 
     # ---- construction -------------------------------------------------------------------------------
     @staticmethod
-    def embedded(capacity: int | str = "1GiB", **options: Any) -> "KVStore":
+    def embedded(capacity: int | str = "1GiB", **options: Any) -> KVStore:
         """A store living in this process (no daemon). Options: high_watermark, low_watermark."""
         from kvstore.client.embedded import EmbeddedStore
 
         return EmbeddedStore(parse_size(capacity), **options)
 
-    def __enter__(self) -> "KVStore":
+    def __enter__(self) -> KVStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -105,7 +107,7 @@ class KVStore(ABC):
     def batch_get_into(self, keys: Sequence[str], outs: Sequence[Any]) -> list[int]:
         if len(keys) != len(outs):
             raise InvalidArgumentError(f"batch_get_into got {len(keys)} keys but {len(outs)} buffers")
-        return [self.get_into(key, out) for key, out in zip(keys, outs)]
+        return [self.get_into(key, out) for key, out in zip(keys, outs, strict=True)]
 
     def exists(self, key: str) -> bool:
         return self._exists(validate_key(key))
@@ -155,12 +157,12 @@ class KVStore(ABC):
 
     # ---- backend primitives -------------------------------------------------------------------------
     @abstractmethod
-    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: "PutFlags") -> ObjectMeta:
+    def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: PutFlags) -> ObjectMeta:
         """Store ``payload``; record ``digest()`` as its checksum at commit."""
 
     @abstractmethod
     def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
-                  flags: "PutFlags") -> list[ObjectMeta]:
+                  flags: PutFlags) -> list[ObjectMeta]:
         """Write every payload as a pending put, then commit them all at once (abort all on failure)."""
 
     @abstractmethod

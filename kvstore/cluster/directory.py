@@ -12,14 +12,14 @@ key, checksum, ...) or ``r`` (items: keys).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import msgpack
 
 from kvstore.cluster.config import Names
-from kvstore.errors import InvalidArgumentError
 from kvstore.core.meta import ObjectMeta
+from kvstore.errors import InvalidArgumentError
 
 # ARGV: namespace, node, epoch, then (op, key, value) triples; op 'p' = publish value, 'u' = unpublish.
 # Returns {seq}, or {-1} when the node's record does not carry this epoch (lapsed or replaced: fenced off).
@@ -167,7 +167,7 @@ def _text(value) -> str:
 
 def parse_lookup(keys: list[str], result: list) -> dict[str, list[Entry]]:
     out: dict[str, list[Entry]] = {}
-    for key, flat in zip(keys, result):
+    for key, flat in zip(keys, result, strict=True):
         entries = []
         for i in range(0, len(flat) - 3, 4):
             entry = decode_entry(key, _text(flat[i]), flat[i + 1], _text(flat[i + 2]), _text(flat[i + 3]))

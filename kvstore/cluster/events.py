@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from kvstore.cluster.config import open_redis
 from kvstore.cluster.directory import decode_event

@@ -16,9 +16,9 @@ import math
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
 
 from kvstore.cluster.config import ClusterConfig, Names, redact
 from kvstore.errors import AuthenticationError, InvalidArgumentError, StoreConnectionError
@@ -103,7 +103,7 @@ class NodeRecord:
         return max(0, self.capacity - self.used)
 
     @classmethod
-    def from_hash(cls, node: str, fields: dict) -> "NodeRecord":
+    def from_hash(cls, node: str, fields: dict) -> NodeRecord:
         f = {_text(k): _text(v) for k, v in fields.items()}
 
         def num(name: str, kind=int):
@@ -136,7 +136,7 @@ def parse_members(raw: list) -> dict[str, NodeRecord]:
     for i in range(0, len(raw) - 1, 2):
         node = _text(raw[i])
         flat = raw[i + 1]
-        out[node] = NodeRecord.from_hash(node, dict(zip(flat[0::2], flat[1::2])))
+        out[node] = NodeRecord.from_hash(node, dict(zip(flat[0::2], flat[1::2], strict=True)))
     return out
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
-from kvstore.errors import StoreConnectionError, TransportError
-from kvstore.core.meta import ObjectMeta
 from kvstore.client.remote import RemoteStore
+from kvstore.core.meta import ObjectMeta
 from kvstore.core.value import KVObject
+from kvstore.errors import StoreConnectionError, TransportError
 from kvstore.transports.base import TransportFailure
 
 

@@ -22,22 +22,30 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any, Callable, Sequence
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvstore.client.store import KVStore, PutFlags
-from kvstore.core.digest import Digest
 from kvstore.cluster.config import Names, check_name, open_redis, redact
 from kvstore.cluster.directory import Directory, Entry
 from kvstore.cluster.membership import MEMBERS_LUA, NodeRecord, members_args, parse_members, redis_failure
 from kvstore.cluster.peers import NodeClient, PeerPool
-from kvstore.errors import (BufferTooSmallError, InvalidArgumentError, KeyNotFoundError, StoreConnectionError,
-                            StoreFullError, StoreTimeoutError, TransportError)
+from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta, validate_key
-from kvstore.protocol.url import host_id
 from kvstore.core.value import KVObject, Payload, writable_view
+from kvstore.errors import (
+    BufferTooSmallError,
+    InvalidArgumentError,
+    KeyNotFoundError,
+    StoreConnectionError,
+    StoreFullError,
+    StoreTimeoutError,
+    TransportError,
+)
+from kvstore.protocol.url import host_id
 
 MEMBERS_MAX_AGE_S = 1.0
 _OPTIONS = ("node", "placement", "replicas", "namespace")
@@ -58,7 +66,7 @@ class ClusterURL:
     namespace: str = "kvstore"
 
     @classmethod
-    def parse(cls, url: str) -> "ClusterURL":
+    def parse(cls, url: str) -> ClusterURL:
         parts = urlsplit(url)
         scheme = _SCHEMES.get(parts.scheme)
         if scheme is None or not parts.hostname:
@@ -198,7 +206,7 @@ class ClusterStore(KVStore):
             # only the first copy decides if_absent: the others would find the first one in the directory
             f = flags if not results else replace(flags, if_absent=False)
             try:
-                results.append(self._on(record, lambda c: fn(c, f)))
+                results.append(self._on(record, lambda c, f=f: fn(c, f)))
             except StoreTimeoutError:
                 if not results:
                     raise  # it may or may not have been stored: let the caller decide
@@ -229,7 +237,7 @@ class ClusterStore(KVStore):
         problems = [f"node {e.node}: skipped, it timed out recently" for e in entries if e not in ranked]
         for entry in ranked:
             try:
-                return self._on(entry, lambda c: fn(c, entry))
+                return self._on(entry, lambda c, entry=entry: fn(c, entry))
             except KeyNotFoundError:
                 self._forget(entry)
             except (StoreConnectionError, TransportError) as exc:
@@ -265,9 +273,9 @@ class ClusterStore(KVStore):
         if len(keys) != len(outs):
             raise InvalidArgumentError(f"batch_get_into got {len(keys)} keys but {len(outs)} buffers")
         keys = [validate_key(k) for k in keys]
-        fits = [_fitter(k, writable_view(o)) for k, o in zip(keys, outs)]
+        fits = [_fitter(k, writable_view(o)) for k, o in zip(keys, outs, strict=True)]
         sizes: list[int | None] = []
-        for key, fit in zip(keys, fits):
+        for key, fit in zip(keys, fits, strict=True):
             hit = self._home_index(key, fit)
             sizes.append(None if hit is None else hit[0])
         missing = [i for i, size in enumerate(sizes) if size is None]

@@ -12,14 +12,22 @@ import heapq
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Protocol
 
 from kvstore.core.allocator import Allocator
-from kvstore.errors import (InvalidArgumentError, KeyExistsError, KeyNotFoundError, LeaseError, ObjectBusyError, ObjectTooLargeError,
-                            StoreFullError)
 from kvstore.core.meta import ObjectMeta
+from kvstore.errors import (
+    InvalidArgumentError,
+    KeyExistsError,
+    KeyNotFoundError,
+    LeaseError,
+    ObjectBusyError,
+    ObjectTooLargeError,
+    StoreFullError,
+)
 
 
 class ReplicaState(Enum):
@@ -228,7 +236,7 @@ class Master:
             for pid in put_ids:
                 self.abort(pid)
             raise KeyExistsError(f"key {conflict.key!r} already exists; no put of the batch was committed")
-        return [self.commit(pid, c) for pid, c in zip(put_ids, checksums)]
+        return [self.commit(pid, c) for pid, c in zip(put_ids, checksums, strict=True)]
 
     def commit(self, put_id: int, checksum: int | None = None) -> Replica:
         """Make a pending put the key's visible version, atomically replacing the previous one."""

@@ -7,13 +7,14 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from kvstore.errors import InvalidArgumentError
 from kvstore.core.meta import ObjectMeta
+from kvstore.errors import InvalidArgumentError
 from kvstore.memory.device import DeviceBuffer
 
 
@@ -110,7 +111,7 @@ class KVObject(np.ndarray):
     meta: ObjectMeta
 
     @classmethod
-    def wrap(cls, data: Any, meta: ObjectMeta, on_release: Callable[[], None] | None = None) -> "KVObject":
+    def wrap(cls, data: Any, meta: ObjectMeta, on_release: Callable[[], None] | None = None) -> KVObject:
         obj = np.frombuffer(data, dtype=np.uint8).view(cls)
         obj.flags.writeable = False
         obj.meta = meta
@@ -125,7 +126,7 @@ class KVObject(np.ndarray):
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer()
 
-    def __enter__(self) -> "KVObject":
+    def __enter__(self) -> KVObject:
         return self
 
     def __exit__(self, *exc: object) -> None:

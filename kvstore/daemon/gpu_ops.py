@@ -17,14 +17,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kvstore.protocol import wire
-from kvstore.errors import InvalidArgumentError, KVStoreError, TransportError
 from kvstore.core.master import Tier
 from kvstore.core.meta import ObjectMeta
+from kvstore.errors import InvalidArgumentError, KVStoreError, TransportError
+from kvstore.protocol import wire
 
 if TYPE_CHECKING:
-    from kvstore.gpu.memory import GpuMemory
     from kvstore.core.master import Lease, Replica
+    from kvstore.gpu.memory import GpuMemory
 
 if "cuda_put" not in wire.SCHEMA:
     wire.register_op("cuda_segments", {})
@@ -35,7 +35,7 @@ if "cuda_put" not in wire.SCHEMA:
 class GpuOps:
     """Session mixin. Expects ``server``, ``client``, ``transport``, ``_ok`` and ``_send``."""
 
-    _staging: "dict[int, int] | None" = None  # lease id -> put id of the host region staging a GPU object
+    _staging: dict[int, int] | None = None  # lease id -> put id of the host region staging a GPU object
 
     # ---- cuda_ipc ops -------------------------------------------------------------------------------
     async def op_cuda_segments(self, rid: int, f: dict) -> dict:
@@ -62,10 +62,10 @@ class GpuOps:
                         tier=master.tier_of(r).value)
 
     # ---- hooks for Session --------------------------------------------------------------------------
-    def _on_gpu(self, replica: "Replica") -> bool:
+    def _on_gpu(self, replica: Replica) -> bool:
         return self.server.master.tier_of(replica) is Tier.GPU
 
-    async def _staged_get(self, rid: int, f: dict, lease: "Lease") -> dict | None:
+    async def _staged_get(self, rid: int, f: dict, lease: Lease) -> dict | None:
         """Serve a get of a GPU-resident object through host memory (the lease is held; it is released here
         on failure and after a streamed reply, by the client after a region reply)."""
         replica = lease.replica
@@ -83,7 +83,7 @@ class GpuOps:
             self._release_lease(lease.id)
         return None
 
-    async def _stage_region(self, rid: int, lease: "Lease") -> dict:
+    async def _stage_region(self, rid: int, lease: Lease) -> dict:
         master, replica = self.server.master, lease.replica
         staging = master.begin_put(replica.meta, self.client, tier=Tier.HOST)
         try:
@@ -106,7 +106,7 @@ class GpuOps:
             self._abort_quietly(put_id)
 
     # ---- helpers ------------------------------------------------------------------------------------
-    def _gpu(self) -> "GpuMemory":
+    def _gpu(self) -> GpuMemory:
         if self.transport != "cuda_ipc":
             raise TransportError(f"cuda ops need the cuda_ipc transport; this connection uses {self.transport}")
         if self.server.gpu is None:

@@ -13,16 +13,16 @@ import stat
 import time
 from dataclasses import dataclass, field
 
-from kvstore.memory import index as shm_index
-from kvstore.errors import InvalidArgumentError, TransportError
-from kvstore.gpu.memory import GpuMemory
 from kvstore.core.master import LRUPolicy, Master, Replica, Tier
 from kvstore.daemon.metrics import Metrics
-from kvstore.memory.segment import SegmentSet, reap_orphans
 from kvstore.daemon.session import Session
 from kvstore.daemon.ucx_ops import start_ucx
-from kvstore.protocol.url import Endpoint, host_id
+from kvstore.errors import InvalidArgumentError, TransportError
+from kvstore.gpu.memory import GpuMemory
+from kvstore.memory import index as shm_index
+from kvstore.memory.segment import SegmentSet, reap_orphans
 from kvstore.memory.shm import SharedMemory
+from kvstore.protocol.url import Endpoint, host_id
 from kvstore.transports.tcp import tune
 
 log = logging.getLogger("kvstore.daemon.server")
@@ -87,7 +87,7 @@ class ServerConfig:
 class _Publisher:
     """Master listener: forwards to the server's ``on_published`` / ``on_unpublished`` hooks."""
 
-    def __init__(self, server: "Server"):
+    def __init__(self, server: Server):
         self.server = server
 
     def published(self, replica: Replica) -> None:
@@ -134,7 +134,7 @@ class Server:
             self._release_memory()
             raise
         loop = asyncio.get_running_loop()
-        for lsock, ep in zip(self._listeners, cfg.control_endpoints):
+        for lsock, ep in zip(self._listeners, cfg.control_endpoints, strict=True):
             self._spawn(self._accept(lsock, ep))
         self._spawn(self._housekeeping())
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -156,7 +156,7 @@ class Server:
             raise
 
     def _close_listeners(self) -> None:
-        for lsock, ep in zip(self._listeners, self.config.control_endpoints):
+        for lsock, ep in zip(self._listeners, self.config.control_endpoints, strict=False):
             lsock.close()
             if ep.scheme == "unix":
                 _remove_stale_socket(ep.path)

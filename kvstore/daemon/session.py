@@ -9,20 +9,27 @@ skipped) closes the connection. Every other client is unaffected either way.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 import hmac
 import logging
 import socket
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from kvstore.protocol import wire
 from kvstore.core.master import describe_replica
-from kvstore.errors import (AuthenticationError, InvalidArgumentError, KVStoreError, ObjectTooLargeError,
-                            ProtocolError, ServerError, TransportError)
-from kvstore.daemon.gpu_ops import GpuOps
 from kvstore.core.meta import ObjectMeta
+from kvstore.daemon.gpu_ops import GpuOps
 from kvstore.daemon.ucx_ops import UcxOps
+from kvstore.errors import (
+    AuthenticationError,
+    InvalidArgumentError,
+    KVStoreError,
+    ObjectTooLargeError,
+    ProtocolError,
+    ServerError,
+    TransportError,
+)
+from kvstore.protocol import wire
 
 if TYPE_CHECKING:
     from kvstore.daemon.server import Server
@@ -37,7 +44,7 @@ class _Closed(Exception):
 
 
 class Session(GpuOps, UcxOps):
-    def __init__(self, server: "Server", sock: socket.socket, peer: str):
+    def __init__(self, server: Server, sock: socket.socket, peer: str):
         self.server, self.sock, self.peer = server, sock, peer
         self.loop = asyncio.get_running_loop()
         self.client: int | None = None

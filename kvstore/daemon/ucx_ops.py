@@ -27,7 +27,7 @@ log = logging.getLogger("kvstore.daemon.server")
 LANDING_TIMEOUT = 10.0
 
 
-def start_ucx(endpoint: Endpoint, loop: asyncio.AbstractEventLoop) -> "UcxDataServer":
+def start_ucx(endpoint: Endpoint, loop: asyncio.AbstractEventLoop) -> UcxDataServer:
     """Start the daemon's UCX endpoint for ``--listen ucx://host:port``; TransportError if it cannot run."""
     try:
         from kvstore.transports.ucx_server import UcxDataServer
@@ -43,8 +43,8 @@ def start_ucx(endpoint: Endpoint, loop: asyncio.AbstractEventLoop) -> "UcxDataSe
 class UcxOps:
     """Session mixin. Expects ``server``, ``sock``, ``client``, ``transport``, ``client_host`` and ``_ok``."""
 
-    data_peer: "UcxPeer | None" = None
-    _landing: "dict[int, tuple[int, asyncio.Future]] | None" = None  # put id -> (tag, payload landed)
+    data_peer: UcxPeer | None = None
+    _landing: dict[int, tuple[int, asyncio.Future]] | None = None  # put id -> (tag, payload landed)
 
     @property
     def data_path(self) -> str:
@@ -71,7 +71,7 @@ class UcxOps:
         return self._ok(rid)
 
     # ---- put / get / commit hooks (called from Session) ---------------------------------------------
-    def _ucx_put_reply(self, rid: int, replica: "Replica") -> dict:
+    def _ucx_put_reply(self, rid: int, replica: Replica) -> dict:
         """The region is allocated: post the receive into it and tell the client which tag to send with."""
         try:
             peer = self._peer()
@@ -85,7 +85,7 @@ class UcxOps:
         self._landing[replica.id] = (tag, landed)
         return self._ok(rid, put_id=replica.id, tag=tag)
 
-    def _ucx_get_reply(self, rid: int, lease: "Lease") -> dict:
+    def _ucx_get_reply(self, rid: int, lease: Lease) -> dict:
         """The object is leased: post the send from its region; the lease goes when the send completes."""
         replica = lease.replica
         try:
@@ -146,14 +146,14 @@ class UcxOps:
                 pass  # already aborted or revoked
 
     # ---- helpers ------------------------------------------------------------------------------------
-    def _ucx_server(self) -> "UcxDataServer":
+    def _ucx_server(self) -> UcxDataServer:
         if self.transport != "ucx":
             raise TransportError(f"ucx ops need the ucx transport; this connection uses {self.transport}")
         if self.server.ucx is None:
             raise TransportError("this daemon serves no UCX endpoint (start it with --listen ucx://host:port)")
         return self.server.ucx
 
-    def _peer(self) -> "UcxPeer":
+    def _peer(self) -> UcxPeer:
         self._ucx_server()
         if self.data_peer is None or self.data_peer.closed:
             raise TransportError("no UCX endpoint on this connection: send ucx_connect first")

@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvstore.gpu import runtime as gpu
 from kvstore.errors import InvalidArgumentError, TransportError
-from kvstore.memory.segment import SegmentSet
+from kvstore.gpu import runtime as gpu
 from kvstore.memory.device import address_of
+from kvstore.memory.segment import SegmentSet
 
 log = logging.getLogger("kvstore.daemon.server")
 STAGING_THREADS = 2

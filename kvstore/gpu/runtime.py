@@ -13,8 +13,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from kvstore.errors import InvalidArgumentError, TransportError
 from kvstore.core.value import Payload
+from kvstore.errors import InvalidArgumentError, TransportError
 from kvstore.memory.device import DeviceBuffer, address_of
 
 _native: ModuleType | None = None

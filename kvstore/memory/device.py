@@ -45,7 +45,7 @@ class DeviceBuffer:
     def __len__(self) -> int:
         return self.nbytes
 
-    def __getitem__(self, index: slice) -> "DeviceBuffer":
+    def __getitem__(self, index: slice) -> DeviceBuffer:
         if not isinstance(index, slice):
             raise TypeError(f"a DeviceBuffer can only be sliced, got {type(index).__name__}")
         start, stop, step = index.indices(self.nbytes)

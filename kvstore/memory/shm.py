@@ -36,7 +36,7 @@ class SharedMemory:
         self.buf = memoryview(mm)
 
     @classmethod
-    def create(cls, name: str, size: int, prefault: bool = True, unlink_now: bool = False) -> "SharedMemory":
+    def create(cls, name: str, size: int, prefault: bool = True, unlink_now: bool = False) -> SharedMemory:
         """Create a new mapping readable and writable by this user only.
 
         ``prefault`` populates every page now, so the first put runs at warm-memory speed.
@@ -59,7 +59,7 @@ class SharedMemory:
         return shm
 
     @classmethod
-    def attach(cls, name: str, size: int) -> "SharedMemory":
+    def attach(cls, name: str, size: int) -> SharedMemory:
         """Map an existing segment created by the daemon (page tables populated up front)."""
         try:
             fd = os.open(_path(name), os.O_RDWR)

@@ -15,8 +15,8 @@ import numpy as np
 
 from kvstore.planner.costmodel import CostModel, TransferModel
 from kvstore.planner.deployment import Arch
-from kvstore.workloads.runlog import RunLog
 from kvstore.planner.samples import StepSample, decode_samples, prefill_samples
+from kvstore.workloads.runlog import RunLog
 
 OVERLAPS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _COEFS = ("base_s", "weight_s", "token_s", "seq_s", "pair_s", "ctx_s")
@@ -52,7 +52,7 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _design(samples: list[StepSample], overlap: float, compute_smaller: np.ndarray) -> np.ndarray:
     rows = []
-    for s, small_c in zip(samples, compute_smaller):
+    for s, small_c in zip(samples, compute_smaller, strict=True):
         fc, fm = (1 - overlap, 1.0) if small_c else (1.0, 1 - overlap)
         rows.append([1.0, fm, fc * s.prefill_tokens, fc * s.decode_seqs, fc * s.pairs, fm * s.decode_ctx])
     return np.array(rows)
@@ -135,7 +135,7 @@ def calibrate(runs: list[RunLog], template: CostModel) -> Fit:
                      "coefficients kept from the template")
     best = min((_fit_overlap(steps, o) + (o,) for o in OVERLAPS), key=lambda t: (t[1], t[2]))
     x, _, overlap = best
-    coefs = dict(zip(_COEFS, map(float, x)))
+    coefs = dict(zip(_COEFS, map(float, x), strict=True))
     if overlap == 0:  # base and weight reads are then indistinguishable: report them as one fixed cost
         coefs.update(base_s=coefs["base_s"] + coefs["weight_s"], weight_s=0.0)
     if not pre:

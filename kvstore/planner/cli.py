@@ -25,10 +25,10 @@ from kvstore.planner.deployment import Arch
 from kvstore.planner.metrics import SLO
 from kvstore.planner.plan import PlanConfig, Planner
 from kvstore.planner.report import render, to_json, write_json
-from kvstore.workloads.runlog import read_run
 from kvstore.planner.specs import Efficiency, LinkSpec
-from kvstore.workloads.trace import Trace, get_workload, load_trace, poisson
 from kvstore.planner.verdict import decide
+from kvstore.workloads.runlog import read_run
+from kvstore.workloads.trace import Trace, get_workload, load_trace, poisson
 
 DEFAULT_LINK = "rdma-100g"
 

@@ -101,7 +101,7 @@ class CostModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CostModel":
+    def from_dict(cls, data: dict) -> CostModel:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -173,7 +173,7 @@ class TransferModel:
         return (1 - self.publish_share) * self.time_s(nbytes)
 
     @classmethod
-    def from_link(cls, link: LinkSpec, tp: int = 1) -> "TransferModel":
+    def from_link(cls, link: LinkSpec, tp: int = 1) -> TransferModel:
         lanes = tp if link.per_gpu else 1
         return cls(name=link.name, latency_s=link.latency_s, bytes_per_s=link.bytes_per_s * lanes,
                    publish_share=link.publish_share)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 
 from kvstore.planner.costmodel import TransferModel
 from kvstore.planner.deployment import Arch
@@ -94,7 +95,7 @@ def bandwidth_crossover(planner: Planner, prefill_workers: int, refine: int = 5)
 def prompt_crossover(planner: Planner, prefill_workers: int, scales=PROMPT_SCALES) -> Crossover:
     """Scale every prompt by each factor (arrivals unchanged) and see where disaggregation pays."""
     points = [_point(planner, s, None, planner.trace.scaled(prompt=s), prefill_workers) for s in scales]
-    flips = [(a, b) for a, b in zip(points, points[1:]) if a.pays != b.pays]
+    flips = [(a, b) for a, b in pairwise(points) if a.pays != b.pays]
     link = planner.transfer.name
     if not flips:
         verb = "pays at every" if points[0].pays else "does not pay at any"

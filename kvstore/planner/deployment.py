@@ -22,7 +22,7 @@ class Arch(Enum):
     DISAGGREGATED = "disaggregated"
 
     @classmethod
-    def parse(cls, value: "str | Arch") -> "Arch":
+    def parse(cls, value: str | Arch) -> Arch:
         if isinstance(value, cls):
             return value
         if not isinstance(value, str):

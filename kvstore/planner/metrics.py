@@ -42,7 +42,7 @@ class RequestResult:
     transferred: bool = False
     token_times_s: tuple[float, ...] | None = None
 
-    def meets(self, slo: "SLO") -> bool:
+    def meets(self, slo: SLO) -> bool:
         if self.rejected:
             return False
         return self.ttft_s <= slo.ttft_s and (self.tpot_s is None or self.tpot_s <= slo.tpot_s)
@@ -148,7 +148,7 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else NAN
 
 
-def summarize(result: "SimResult", slo: SLO) -> Metrics:
+def summarize(result: SimResult, slo: SLO) -> Metrics:
     """Aggregate one simulation against ``slo``."""
     dep = result.deployment
     done = [r for r in result.requests if not r.rejected]

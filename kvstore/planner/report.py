@@ -60,7 +60,7 @@ def metric_table(metrics: list[Metrics]) -> str:
     header = ["metric"] + [m.label for m in metrics]
     rows = [header] + [[name] + [fn(m) for m in metrics] for name, fn in ROWS]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

@@ -19,7 +19,7 @@ class ColocatedWorker(Worker):
         if batch:
             cost = self.sim.cost
             new = [r.prompt - r.cached for r in batch]
-            pairs = sum(prefill_pairs(n, r.cached) for n, r in zip(new, batch))
+            pairs = sum(prefill_pairs(n, r.cached) for n, r in zip(new, batch, strict=True))
             duration = cost.step_s(prefill_tokens=sum(new), prefill_pair_count=pairs)
             for req in batch:
                 req.t_prefill_start = now
@@ -133,7 +133,7 @@ class PrefillWorker(Worker):
         batch = self._take_prefill_batch(self.sim.deployment.max_prefill_tokens)
         if batch:
             new = [r.prompt - r.cached for r in batch]
-            pairs = sum(prefill_pairs(n, r.cached) for n, r in zip(new, batch))
+            pairs = sum(prefill_pairs(n, r.cached) for n, r in zip(new, batch, strict=True))
             for req in batch:
                 req.t_prefill_start = now
                 req.src = self

@@ -15,15 +15,15 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvstore.planner.costmodel import CostModel, TransferModel
 from kvstore.planner.deployment import Arch, Deployment
 from kvstore.planner.metrics import GapHistogram, RequestResult
-from kvstore.workloads.trace import Trace
 from kvstore.planner.roles import ChunkedWorker, ColocatedWorker, DecodeWorker, PrefillWorker
 from kvstore.planner.worker import SimRequest, Worker
+from kvstore.workloads.trace import Trace
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ class SimRequest:
                  "t_dispatch", "t_xfer_start", "t_transfer_end", "publish_s", "t_first", "t_join", "t_last",
                  "finish_step", "src", "tokens", "rejected", "stall0", "stall")
 
-    def __init__(self, spec: "TraceRequest"):
+    def __init__(self, spec: TraceRequest):
         self.spec = spec
         self.prompt = spec.prompt_tokens
         self.output = spec.output_tokens
@@ -55,7 +55,7 @@ class Worker:
 
     does_prefill = True
 
-    def __init__(self, wid: int, sim: "Simulator", capacity_tokens: int, cache_blocks: int = 0):
+    def __init__(self, wid: int, sim: Simulator, capacity_tokens: int, cache_blocks: int = 0):
         self.id = wid
         self.sim = sim
         self.capacity = capacity_tokens

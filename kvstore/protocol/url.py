@@ -29,7 +29,7 @@ class Endpoint:
     port: int = 0
 
     @classmethod
-    def parse(cls, url: str) -> "Endpoint":
+    def parse(cls, url: str) -> Endpoint:
         if not isinstance(url, str):
             raise InvalidArgumentError(f"address must be a str like unix:///run/kv.sock, got {url!r}")
         parts = urlsplit(url)

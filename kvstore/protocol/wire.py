@@ -10,12 +10,13 @@ reply is ``{"v": 1, "id": n, "ok": true, ...}`` or ``{"v": 1, "id": n, "ok": fal
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 
-from kvstore.errors import InvalidArgumentError, InvalidKeyError, ProtocolError
 from kvstore.core.meta import MAX_KEY_BYTES, validate_key, validate_ttl
+from kvstore.errors import InvalidArgumentError, InvalidKeyError, ProtocolError
 
 VERSION = 1
 MAX_FRAME = 1 << 20

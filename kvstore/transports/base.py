@@ -7,7 +7,8 @@ daemon segment. The control messages (dicts) are opaque to it except for the dat
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 
 class TransportFailure(Exception):
@@ -80,7 +81,7 @@ def names() -> list[str]:
 
 def _load_builtin() -> None:
     # Imported on first use, not at package import: no side effects at import time.
+    import kvstore.transports.cuda_ipc  # noqa: F401  (registers "cuda_ipc" only when torch is installed; never imports it)
     import kvstore.transports.shm  # noqa: F401
     import kvstore.transports.tcp  # noqa: F401
     import kvstore.transports.ucx  # noqa: F401  (registers "ucx" only when ucxx is installed; never imports it here)
-    import kvstore.transports.cuda_ipc  # noqa: F401  (registers "cuda_ipc" only when torch is installed; never imports it)

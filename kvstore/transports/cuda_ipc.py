@@ -30,11 +30,10 @@ This module never initialises CUDA itself: the runtime arrives with the device b
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from kvstore.memory.device import CudaRuntime, DeviceBuffer, address_of  # noqa: F401  (re-exported)
 from kvstore.transports.base import Channel, TransportFailure, TransportUnavailable, register, unavailable

@@ -1,15 +1,17 @@
 """Same-host data path: POSIX shared memory the daemon owns and its clients map.
 
-The mapping itself is :class:`kvstore.memory.shm.SharedMemory`. ``ShmTransport`` is the client side: a put asks the daemon for a region, copies the caller's bytes into it once and commits; a
-get_into leases the object, copies it out once and releases the lease without waiting for the reply.
+The mapping itself is :class:`kvstore.memory.shm.SharedMemory`. ``ShmTransport`` is the client side: a put asks
+the daemon for a region, copies the caller's bytes into it once and commits; a get_into leases the object,
+copies it out once and releases the lease without waiting for the reply.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from kvstore.memory.shm import SharedMemory, SharedMemoryError, SharedMemoryUnavailable
 from kvstore.transports.base import Channel, TransportFailure, TransportUnavailable, register
+
 
 def copy(dst: memoryview, src: memoryview) -> None:
     """One memcpy between two byte views of equal length."""

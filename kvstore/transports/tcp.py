@@ -6,7 +6,7 @@ connection, and the daemon moves it straight between the socket and segment memo
 from __future__ import annotations
 
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 from kvstore.transports.base import Channel, TransportFailure, register
 

@@ -51,7 +51,8 @@ import os
 import secrets
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvstore.transports.base import Channel, TransportFailure, TransportUnavailable, register, unavailable
 

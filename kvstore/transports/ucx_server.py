@@ -50,7 +50,7 @@ class _Pending:
 @dataclass(slots=True, eq=False)
 class _Expected:
     """A put's payload not yet arrived: received (into ``region``) once a message with ``tag`` is probed."""
-    peer: "UcxPeer"
+    peer: UcxPeer
     region: memoryview
     future: asyncio.Future
 
@@ -59,7 +59,7 @@ class UcxPeer:
     """One client's endpoint on the daemon's worker. ``receive``/``send`` post a tagged transfer between a
     segment region and the client and return ``(tag, future)``; ``close`` cancels everything still posted."""
 
-    def __init__(self, server: "UcxDataServer", endpoint: Any, via: str, error_handling: bool):
+    def __init__(self, server: UcxDataServer, endpoint: Any, via: str, error_handling: bool):
         self.server, self._endpoint = server, endpoint
         self.via, self.error_handling = via, error_handling
 

@@ -69,7 +69,7 @@ class Trace:
     def max_request_tokens(self) -> int:
         return max(r.prompt_tokens + r.output_tokens for r in self.requests)
 
-    def scaled(self, time: float = 1.0, prompt: float = 1.0, output: float = 1.0) -> "Trace":
+    def scaled(self, time: float = 1.0, prompt: float = 1.0, output: float = 1.0) -> Trace:
         """Multiply inter-arrival times by ``time`` and lengths by ``prompt``/``output`` (rounded, >= 1).
         Prefix blocks scale with the prompt, so shared prefixes stay shared."""
         for label, factor in (("time", time), ("prompt", prompt), ("output", output)):
@@ -84,7 +84,7 @@ class Trace:
                        time_scale=self.time_scale * time, prompt_scale=self.prompt_scale * prompt,
                        output_scale=self.output_scale * output)
 
-    def head(self, n: int) -> "Trace":
+    def head(self, n: int) -> Trace:
         """The first ``n`` requests (the count of the source is kept for the report)."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"number of requests must be a positive integer, got {n!r}")
@@ -207,5 +207,5 @@ def poisson(workload: Workload, rate: float, num_requests: int, seed: int = 0, s
     prompts = np.maximum(1, np.round(lognormal(means))).astype(int)
     outputs = np.maximum(1, np.round(lognormal(workload.output_mean))).astype(int)
     reqs = tuple(TraceRequest(i, float(a), int(p), int(o))
-                 for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs)))
+                 for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs, strict=True)))
     return Trace(name=f"poisson-{workload.name}@{rate:.3g}rps", requests=reqs)

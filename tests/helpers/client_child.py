@@ -22,8 +22,8 @@ import time
 import numpy as np
 
 import kvstore
-from kvstore.protocol import wire
 from kvstore.core.meta import ObjectMeta
+from kvstore.protocol import wire
 from kvstore.protocol.url import Endpoint, host_id
 
 

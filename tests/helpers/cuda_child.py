@@ -17,9 +17,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
+from client_child import pattern  # noqa: E402
 
 import kvstore  # noqa: E402
-from client_child import pattern  # noqa: E402
 from kvstore.memory.device import DeviceBuffer  # noqa: E402
 
 

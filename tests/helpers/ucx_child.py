@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import sys
 
-import kvstore
 from client_child import hang, pattern  # this directory is on sys.path: the script's own
+
+import kvstore
 from kvstore.transports.ucx import UcxTransport
 
 

@@ -8,14 +8,13 @@ import sys
 import threading
 import time
 
+import handoff_child as child  # noqa: E402
 import pytest
 import torch
+from conftest import HELPERS, child_env, wait_until  # noqa: E402
 
 import kvstore
 from kvstore.handoff import KVHandoff, request_keys
-
-import handoff_child as child  # noqa: E402
-from conftest import HELPERS, child_env, wait_until  # noqa: E402
 
 LAYOUT = child.layout()
 BS = LAYOUT.block_size
@@ -52,7 +51,7 @@ def test_roundtrip_into_reordered_blocks(hstore):
     h.publish("r1", src, [7, 2, 9, 0, 4], num_tokens=len(tokens), token_ids=tokens).wait()
     meta = h.fetch("r1", dst, [11, 3, 5, 1, 8], num_tokens=len(tokens))
     assert meta.num_blocks == 5 and meta.fingerprint == LAYOUT.fingerprint()
-    for c_src, c_dst in zip(src, dst):
+    for c_src, c_dst in zip(src, dst, strict=True):
         assert torch.equal(c_dst[:, [11, 3, 5, 1, 8]], c_src[:, [7, 2, 9, 0, 4]])
         untouched = [b for b in range(12) if b not in (11, 3, 5, 1, 8)]
         assert torch.count_nonzero(c_dst[:, untouched]) == 0
@@ -161,7 +160,7 @@ def test_prefix_lookup_across_processes_and_fetch_prefix(daemon_factory):
     assert int(out.stdout.strip()) == 3 * BS
     dst = zeros(8)
     assert h.fetch_prefix(longer, dst, [1, 3, 5, 7]) == 3 * BS
-    for c_src, c_dst in zip(src, dst):
+    for c_src, c_dst in zip(src, dst, strict=True):
         assert torch.equal(c_dst[:, [1, 3, 5]], c_src[:, [4, 5, 6]])
         assert torch.count_nonzero(c_dst[:, 7]) == 0
     store.close()

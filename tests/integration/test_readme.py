@@ -2,6 +2,7 @@
 
 import os
 import re
+
 from paths import ROOT
 
 README = os.path.join(str(ROOT), "README.md")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout, KVLayoutKind
+
 LLAMA = dict(kind=KVLayoutKind.VLLM_FLASH_NHD, num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
              dtype=torch.bfloat16, model_id="llama-3-8b")
 # Golden value: the fingerprint is part of the wire contract, so it must never change by accident (bump
@@ -69,7 +70,7 @@ def test_mla_has_one_latent_per_token():
     with pytest.raises(ValueError, match="num_kv_heads must be 1 for MLA"):
         llama(kind=KVLayoutKind.MLA, num_kv_heads=8)
     with pytest.raises(ValueError, match="latent_dim is defined for MLA only"):
-        llama().latent_dim
+        _ = llama().latent_dim
 
 
 @pytest.mark.parametrize("kind,cache_shape,block_shape", [

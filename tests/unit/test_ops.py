@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout, KVLayoutKind, ops
+
 KINDS = list(KVLayoutKind)
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 LAYERS, HEADS, HEAD_DIM = 3, 2, 32
@@ -140,7 +141,7 @@ def test_scatter_matches_reference(kind, dtype, block_size, num_blocks, gen):
     src = random_bytes(ops.packed_shape(layout, num_blocks), dtype, gen)
     ops.scatter_pages(src, ids, caches, layout=layout)
     reference_scatter(kind, src.view(torch.uint8), ids, [c.view(torch.uint8) for c in expected])
-    for got, want in zip(caches, expected):
+    for got, want in zip(caches, expected, strict=True):
         assert torch.equal(bytes_of(got), bytes_of(want))
 
 
@@ -157,7 +158,7 @@ def test_gather_then_scatter_restores_only_selected_blocks(kind, dtype, block_si
     ops.scatter_pages(packed, ids, restored, layout=layout)
     block_dim = kind.cache_dims.index("block")
     others = torch.tensor(sorted(set(range(total)) - set(ids.tolist())), dtype=torch.int64)
-    for src, dst in zip(caches, restored):
+    for src, dst in zip(caches, restored, strict=True):
         dst_bytes = bytes_of(dst)
         assert torch.equal(dst_bytes.index_select(block_dim, ids), bytes_of(src).index_select(block_dim, ids))
         assert not dst_bytes.index_select(block_dim, others).any(), "a block that was not selected changed"
@@ -180,7 +181,7 @@ def test_empty_block_ids_is_a_no_op(gen):
     out = torch.empty(ops.packed_shape(layout, 0), dtype=layout.dtype)
     ops.gather_pages(caches, torch.empty(0, dtype=torch.int64), out, layout=layout)
     ops.scatter_pages(out, torch.empty(0, dtype=torch.int32), caches, layout=layout)
-    assert all(torch.equal(bytes_of(a), bytes_of(b)) for a, b in zip(caches, before))
+    assert all(torch.equal(bytes_of(a), bytes_of(b)) for a, b in zip(caches, before, strict=True))
 
 
 def test_large_request_uses_threads_and_stays_exact(gen, monkeypatch):
@@ -194,7 +195,7 @@ def test_large_request_uses_threads_and_stays_exact(gen, monkeypatch):
     restored = make_caches(layout, 120, gen, fill=0)
     ops.scatter_pages(out, ids, restored, layout=layout)
     assert all(torch.equal(bytes_of(r.index_select(1, ids)), bytes_of(c.index_select(1, ids)))
-               for r, c in zip(restored, caches))
+               for r, c in zip(restored, caches, strict=True))
 
 
 def test_foreign_strides_are_copied_correctly(gen):
@@ -245,7 +246,7 @@ def test_both_store_paths_are_exact(streaming, offset, gen):
     assert torch.equal(out, reference_gather(layout.kind, caches, ids).flatten())
     restored = make_caches(layout, 30, gen, fill=0)
     _C.scatter_pages([c.data_ptr() for c in restored], ids.data_ptr(), packed=out.data_ptr(), **plan)
-    assert all(torch.equal(bytes_of(r[ids]), bytes_of(c[ids])) for r, c in zip(restored, caches))
+    assert all(torch.equal(bytes_of(r[ids]), bytes_of(c[ids])) for r, c in zip(restored, caches, strict=True))
     assert (arena[:offset] == POISON).all()
 
 
@@ -295,7 +296,7 @@ def test_torch_compile_matches_eager(gen):
     eager_sum = move(caches, eager_dst, ids)
     compiled_sum = torch.compile(move, fullgraph=True, backend="aot_eager")(caches, compiled_dst, ids)
     assert torch.equal(eager_sum, compiled_sum)
-    assert all(torch.equal(a, b) for a, b in zip(eager_dst, compiled_dst))
+    assert all(torch.equal(a, b) for a, b in zip(eager_dst, compiled_dst, strict=True))
     assert any(d.any() for d in compiled_dst)
 
 
@@ -393,17 +394,17 @@ def test_scatter_rejects_repeated_ids(setup, gen):
     src = random_bytes(ops.packed_shape(layout, 3), layout.dtype, gen)
     with pytest.raises(ValueError, match=r"expected distinct ids for scatter, got 5 at positions \[0, 2\]"):
         ops.scatter_pages(src, torch.tensor([5, 1, 5]), caches, layout=layout)
-    assert all(torch.equal(bytes_of(a), bytes_of(b)) for a, b in zip(caches, before))
+    assert all(torch.equal(bytes_of(a), bytes_of(b)) for a, b in zip(caches, before, strict=True))
 
 
 @pytest.mark.parametrize("make_out,error,message", [
-    (lambda l: torch.empty(ops.packed_shape(l, 2), dtype=l.dtype), ValueError,
+    (lambda lay: torch.empty(ops.packed_shape(lay, 2), dtype=lay.dtype), ValueError,
      r"out: expected packed shape \(3, 3, 2, 16, 2, 32\) .*got \(2, 3, 2, 16, 2, 32\)"),
-    (lambda l: torch.empty(ops.packed_shape(l, 3), dtype=torch.float32), TypeError,
+    (lambda lay: torch.empty(ops.packed_shape(lay, 3), dtype=torch.float32), TypeError,
      "out: expected dtype torch.float16 .*got torch.float32"),
-    (lambda l: torch.empty(ops.packed_shape(l, 3)[::-1], dtype=l.dtype).permute(5, 4, 3, 2, 1, 0), ValueError,
+    (lambda lay: torch.empty(ops.packed_shape(lay, 3)[::-1], dtype=lay.dtype).permute(5, 4, 3, 2, 1, 0), ValueError,
      "out: expected a contiguous tensor"),
-    (lambda l: ops.packed_shape(l, 3), TypeError, "out must be a torch.Tensor, got tuple"),
+    (lambda lay: ops.packed_shape(lay, 3), TypeError, "out must be a torch.Tensor, got tuple"),
 ], ids=["shape", "dtype", "strided", "not-a-tensor"])
 def test_rejects_bad_packed_buffer(setup, make_out, error, message):
     layout, caches, ids, _ = setup

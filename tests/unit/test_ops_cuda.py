@@ -9,14 +9,18 @@ import importlib
 
 import pytest
 import torch
+from test_ops import (
+    POISON,
+    alloc_cache,
+    bytes_of,
+    make_caches,
+    make_layout,
+    pick_ids,
+    poisoned_packed,
+    reference_gather,
+)
 
 from kvstore import KVLayoutKind, ops
-try:
-    from test_ops import (POISON, alloc_cache, bytes_of, make_caches, make_layout, pick_ids, poisoned_packed,
-                          reference_gather)
-except ImportError:  # tests/ imported as a package
-    from test_ops import (POISON, alloc_cache, bytes_of, make_caches, make_layout, pick_ids,
-                                poisoned_packed, reference_gather)
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICE = "cuda"
@@ -69,7 +73,7 @@ def test_gather_and_scatter_match_reference(kind, dtype, block_size, num_blocks,
     block_dim = kind.cache_dims.index("block")
     mask = torch.zeros(total, dtype=torch.bool, device=DEVICE)
     mask[ids.long()] = True
-    for src, dst in zip(caches, restored):
+    for src, dst in zip(caches, restored, strict=True):
         kept = bytes_of(dst).index_select(block_dim, ids.long())
         assert torch.equal(kept, bytes_of(src).index_select(block_dim, ids.long()))
         assert not bytes_of(dst).index_select(block_dim, (~mask).nonzero().flatten()).any()
@@ -130,7 +134,7 @@ def test_opcheck_and_compile_on_cuda(gen):
     compiled = [torch.zeros_like(c) for c in caches]
     move(caches, eager, ids)
     torch.compile(move, fullgraph=True, backend="aot_eager")(caches, compiled, ids)
-    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
 
 
 @needs_gpu

@@ -20,18 +20,18 @@ import logging
 import math
 import time
 
-from kvstore.protocol import wire
 from kvstore.cluster.config import ClusterConfig, open_redis, redact
+from kvstore.cluster.daemon.publisher import Publisher
+from kvstore.cluster.daemon.reader import RemoteReader
+from kvstore.cluster.daemon.session import ClusterSession
 from kvstore.cluster.directory import AsyncDirectory, checksum_text, encode_entry
 from kvstore.cluster.events import EventListener
 from kvstore.cluster.membership import Beat, Membership, NodeRecord
 from kvstore.cluster.peers import PeerPool
-from kvstore.cluster.daemon.publisher import Publisher
-from kvstore.cluster.daemon.reader import RemoteReader
-from kvstore.cluster.daemon.session import ClusterSession
-from kvstore.errors import ObjectBusyError
 from kvstore.core.master import Replica
 from kvstore.daemon.server import Server, ServerConfig
+from kvstore.errors import ObjectBusyError
+from kvstore.protocol import wire
 
 log = logging.getLogger("kvstore.cluster")
 WAIT_RECHECK_S = 1.0  # a waiter re-reads the directory this often, in case an event was lost
@@ -233,7 +233,7 @@ class ClusterServer(Server):
 
     def _on_event(self, kind: str, node: str, seq: int, items: list) -> None:
         if kind == "p":
-            for key, checksum in zip(items[0::2], items[1::2]):
+            for key, checksum in zip(items[0::2], items[1::2], strict=True):
                 self._wake(key)
                 if node != self.node_id and self._stale(key, seq) and (
                         checksum == "-" or checksum_text(self.owned[key].meta.checksum) != checksum):

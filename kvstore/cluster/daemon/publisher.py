@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from kvstore.cluster.config import Names
 from kvstore.cluster.directory import PUBLISH_LUA, encode_entry

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from kvstore.cluster.directory import Entry
 from kvstore.cluster.peers import PeerPool
-from kvstore.errors import BufferTooSmallError, KeyNotFoundError, StoreConnectionError, TransportError
 from kvstore.core.master import Lease
 from kvstore.core.meta import ObjectMeta
+from kvstore.errors import BufferTooSmallError, KeyNotFoundError, StoreConnectionError, TransportError
 
 if TYPE_CHECKING:
     from kvstore.cluster.daemon.node import ClusterServer
@@ -32,7 +32,7 @@ log = logging.getLogger("kvstore.cluster")
 
 
 class RemoteReader:
-    def __init__(self, server: "ClusterServer", peers: PeerPool, threads: int = 8):
+    def __init__(self, server: ClusterServer, peers: PeerPool, threads: int = 8):
         self.server, self.peers = server, peers
         self.scratch: set[int] = set()  # replica ids of scratch copies (the master hooks skip them)
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-peer")

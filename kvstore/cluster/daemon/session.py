@@ -9,17 +9,17 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kvstore.errors import KeyExistsError, KeyNotFoundError, StoreConnectionError
 from kvstore.core.master import Lease
 from kvstore.core.meta import ObjectMeta
 from kvstore.daemon.session import _INLINE_REPLY, Session
+from kvstore.errors import KeyExistsError, KeyNotFoundError, StoreConnectionError
 
 if TYPE_CHECKING:
     from kvstore.cluster.daemon.node import ClusterServer
 
 
 class ClusterSession(Session):
-    server: "ClusterServer"
+    server: ClusterServer
 
     async def _dispatch(self, message: dict) -> None:
         await self.server.ensure_fresh()
@@ -101,10 +101,10 @@ class ClusterSession(Session):
 
     async def _exists(self, keys: list[str]) -> list[bool]:
         present = [self.server.local(k) for k in keys]
-        missing = [k for k, ok in zip(keys, present) if not ok]
+        missing = [k for k, ok in zip(keys, present, strict=True) if not ok]
         if missing:
             found = await self.server.remote.entries(missing) or {}
-            present = [ok or bool(found.get(k)) for k, ok in zip(keys, present)]
+            present = [ok or bool(found.get(k)) for k, ok in zip(keys, present, strict=True)]
         return present
 
     async def op_inspect(self, rid: int, f: dict) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from paths import TRACES
 
 from benchmarks.pd.admission import Budgeted, Budgets, Immediate, WorkerLoad
 from benchmarks.pd.compare import CompareConfig, Source
@@ -22,7 +23,6 @@ from benchmarks.pd.router import Router
 from benchmarks.pd.scheduler import Policy
 from benchmarks.pd.trace import TraceRequest, TraceScaling, Workload, generate
 from benchmarks.pd.verdict import verdict
-from paths import TRACES
 
 TINY = MODEL_PRESETS["tiny"]
 #: prefill of n tokens takes n ms; a decode step 10 ms + 1 ms per sequence (context ignored)
@@ -176,6 +176,7 @@ def test_decode_crash_loses_nothing(tmp_path: Path, arch: Arch) -> None:
     """A decode worker SIGKILLed mid-run: its requests are re-fetched (disaggregated) or re-prefilled
     (colocated) and every output is still exactly the greedy output of an undisturbed run."""
     from test_pd_engine import greedy_reference
+
     from benchmarks.pd.model import LlamaModel
 
     base = generate(Workload.SHORT, 8, seed=5, vocab_size=TINY.vocab_size, rate_rps=20.0)
@@ -201,7 +202,7 @@ def test_decode_crash_loses_nothing(tmp_path: Path, arch: Arch) -> None:
     torch.set_num_threads(1)  # the reference, alone: two threads on a busy 2-core machine are 20x slower
     model = LlamaModel(TINY)
     rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
-    for row, req in zip(rows, trace.requests):
+    for row, req in zip(rows, trace.requests, strict=True):
         assert row["output_token_ids"] == greedy_reference(model, list(req.prompt_ids), req.output_tokens)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from paths import TRACES
 
 from benchmarks.pd.attention import AttentionBatch, SeqChunk, paged_attention
 from benchmarks.pd.block_allocator import BlockAllocator, OutOfBlocksError
@@ -22,9 +23,7 @@ from benchmarks.pd.pool import InlinePool
 from benchmarks.pd.request import Phase, Request
 from benchmarks.pd.router import Router
 from benchmarks.pd.scheduler import Policy, Scheduler, SchedulerConfig
-from benchmarks.pd.trace import (TraceFormat, TraceScaling, Workload, generate, load_trace, read_azure,
-                                 read_mooncake)
-from paths import TRACES
+from benchmarks.pd.trace import TraceFormat, TraceScaling, Workload, generate, load_trace, read_azure, read_mooncake
 
 TINY = MODEL_PRESETS["tiny"]
 REQUIRED_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "prefill_queue_s", "prefill_start_s",
@@ -126,7 +125,7 @@ def test_batched_step_matches_separate_steps(tiny_model: LlamaModel) -> None:
 
 def test_weights_are_deterministic_from_the_seed() -> None:
     one, two, other = LlamaModel(TINY), LlamaModel(TINY), LlamaModel(dataclasses.replace(TINY, seed=1))
-    for (name, p1), p2, p3 in zip(one.named_parameters(), two.parameters(), other.parameters()):
+    for (name, p1), p2, p3 in zip(one.named_parameters(), two.parameters(), other.parameters(), strict=True):
         assert torch.equal(p1, p2), name
         if not name.endswith("norm.weight"):
             assert not torch.equal(p1, p3), name
@@ -238,7 +237,7 @@ class LocalPort:
 
     def fetch(self, request: Request, cache: PagedKVCache, block_ids: list[int]) -> float:
         pages = self.held.pop(request.id)
-        for layer, page in zip(cache.layers, pages):
+        for layer, page in zip(cache.layers, pages, strict=True):
             layer[:, block_ids] = page.flip(1) if self.scramble else page
         return 0.0
 
@@ -452,7 +451,7 @@ def test_inline_disaggregated_with_a_local_port(tiny_model: LlamaModel) -> None:
     cfg = _deploy(Arch.DISAGGREGATED, inline=True)
     pool = InlinePool(cfg.worker_specs(None), ports={0: port, 1: port})
     records, stats = Router(trace, pool, cfg.policies(), lambda n: n).run()
-    for r, req in zip(records, trace.requests):
+    for r, req in zip(records, trace.requests, strict=True):
         assert r.output_token_ids == greedy_reference(tiny_model, list(req.prompt_ids), req.output_tokens)
         assert (r.prefill_worker, r.decode_worker, r.handed_off) == (0, 1, True)
     assert [s["role"] for s in stats] == ["prefill-only", "decode-only"]
@@ -503,7 +502,7 @@ def test_inline_disaggregated_through_an_embedded_store(tmp_path: Path, tiny_mod
     trace = generate(Workload.SHORT, 4, seed=4, vocab_size=TINY.vocab_size, rate_rps=100.0)
     summary = run(_deploy(Arch.DISAGGREGATED, inline=True), trace, tmp_path)
     rows = _rows(tmp_path)
-    for row, req in zip(rows, trace.requests):
+    for row, req in zip(rows, trace.requests, strict=True):
         assert row["output_token_ids"] == greedy_reference(tiny_model, list(req.prompt_ids), req.output_tokens)
     assert summary["deployment"]["store"] == "embedded" and summary["transfer"]["handoffs"] > 0
 
@@ -518,6 +517,6 @@ def test_shared_prefixes_hand_off_without_recompute(tmp_path: Path, tiny_model: 
         dataclasses.replace(r, prompt_ids=tuple(shared) + r.prompt_ids[:10]) for r in trace.requests))
     cfg = dataclasses.replace(_deploy(Arch.DISAGGREGATED, inline=True), block_size=4, handoff_prefix_keys=prefix_keys)
     summary = run(cfg, trace, tmp_path)
-    for row, req in zip(_rows(tmp_path), trace.requests):
+    for row, req in zip(_rows(tmp_path), trace.requests, strict=True):
         assert row["output_token_ids"] == greedy_reference(tiny_model, list(req.prompt_ids), req.output_tokens)
     assert summary["requests"] == {"total": 4, "completed": 4, "lost": 0, "recomputed": 0}

@@ -11,7 +11,6 @@ import sys
 import numpy as np
 import pytest
 import xxhash
-
 from conftest import child_env, free_port, short_tmpdir
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import sys
 import threading
 import time
 
@@ -16,12 +15,22 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from conftest import MiB, shm_segments
 
 import kvstore
-from conftest import HELPERS, MiB, shm_segments
-from kvstore import (BufferTooSmallError, ChecksumError, InvalidArgumentError, InvalidKeyError, KeyExistsError,
-                     KeyNotFoundError, KVStoreError, ObjectBusyError, ObjectTooLargeError, StoreConnectionError,
-                     StoreFullError)
+from kvstore import (
+    BufferTooSmallError,
+    ChecksumError,
+    InvalidArgumentError,
+    InvalidKeyError,
+    KeyExistsError,
+    KeyNotFoundError,
+    KVStoreError,
+    ObjectBusyError,
+    ObjectTooLargeError,
+    StoreConnectionError,
+    StoreFullError,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

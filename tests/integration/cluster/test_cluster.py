@@ -35,8 +35,8 @@ from conftest import HELPERS, Daemon, child_env, free_port, short_tmpdir, wait_u
 from kvstore.cluster.config import ClusterConfig, sentinel_parts  # noqa: E402
 from kvstore.cluster.directory import decode_entry, encode_entry  # noqa: E402
 from kvstore.cluster.store import ClusterURL, Placement  # noqa: E402
-from kvstore.handoff import KVHandoff, request_keys  # noqa: E402
 from kvstore.core.meta import ObjectMeta  # noqa: E402
+from kvstore.handoff import KVHandoff, request_keys  # noqa: E402
 
 TTL = 2.0           # node TTL of the test daemons
 PEER_TIMEOUT = 1.0  # bound on one node-to-node call, and on one client call in these tests
@@ -57,7 +57,7 @@ class RedisServer:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", self.workdir]
         if self.password:
@@ -72,7 +72,7 @@ class RedisServer:
         except redis.RedisError:
             return False
 
-    def client(self) -> "redis.Redis":
+    def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=2)
 
     def kill(self) -> None:
@@ -119,10 +119,10 @@ class ClusterDaemon(Daemon):
                                     self.tcp_url, "--node-ttl", str(TTL), "--peer-timeout", str(PEER_TIMEOUT),
                                     "--redis-timeout", "1"]
 
-    def record(self, rds: "redis.Redis") -> dict:
+    def record(self, rds: redis.Redis) -> dict:
         return {k.decode(): v.decode() for k, v in rds.hgetall(f"{NS}:node:{self.node_id}").items()}
 
-    def start(self, timeout: float = 30.0) -> "ClusterDaemon":
+    def start(self, timeout: float = 30.0) -> ClusterDaemon:
         super().start(timeout)
         rds = self.server.client()
         ok = wait_until(lambda: self.record(rds).get("pid") == str(self.pid), timeout)
@@ -387,7 +387,7 @@ def test_redis_restart_reregisters_and_rebuilds_directory(cluster):
     cluster.redis.start()  # same port, empty
     rds = cluster.redis.client()
     for d in cluster.nodes.values():
-        assert wait_until(lambda: d.record(rds).get("pid") == str(d.pid), 10), d.log()
+        assert wait_until(lambda d=d: d.record(rds).get("pid") == str(d.pid), 10), d.log()
     assert wait_until(lambda: {"A"} <= set(cluster.entries("rr/outage")) and "B" in cluster.entries("rr/b"), 10), \
         cluster.logs()
     assert "A" in cluster.entries("rr/a")
@@ -418,7 +418,7 @@ def test_handoff_prefill_on_a_decode_on_b(cluster, decoder):
             producer.kill()
     assert meta.num_blocks == 6 and b"published" in out
     src = handoff_child.caches(6)
-    for c_src, c_dst in zip(src, dst):
+    for c_src, c_dst in zip(src, dst, strict=True):
         assert torch.equal(c_dst[:, [7, 6, 5, 4, 3, 2]], c_src[:, :6])
     keys = request_keys("req1")
     c = cluster.client("C")

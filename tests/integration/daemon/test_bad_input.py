@@ -16,11 +16,11 @@ import sys
 import msgpack
 import numpy as np
 import pytest
+from conftest import MiB, child_env, free_port, shm_segments, wait_until
 
 import kvstore
-from conftest import MiB, child_env, free_port, shm_segments, wait_until
-from kvstore.protocol import wire
 from kvstore.core.meta import ObjectMeta
+from kvstore.protocol import wire
 from kvstore.protocol.url import host_id
 
 pytestmark = pytest.mark.timeout(60)

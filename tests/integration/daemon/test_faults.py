@@ -8,21 +8,20 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 
 import numpy as np
 import pytest
+from client_child import pattern  # noqa: E402
+from conftest import MiB, shm_segments, wait_until
+from stress_worker import check_value  # noqa: E402
+from stress_worker import make_value as worker_make_value
 
 import kvstore
-from conftest import HELPERS, MiB, shm_segments, wait_until
-from kvstore.protocol import wire
 from kvstore.core.meta import ObjectMeta
+from kvstore.protocol import wire
 from kvstore.protocol.url import host_id
-
-from client_child import pattern  # noqa: E402
-from stress_worker import check_value, make_value as worker_make_value  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -127,8 +126,8 @@ def test_daemon_killed(daemon_factory):
     assert old_segments
     d.kill()
     for t, c in clients.items():
-        for call in (lambda: c.put("after", b"x" * 100_000), lambda: c.stats(), lambda: c.exists("k-tcp"),
-                     lambda: c.get("k-tcp")):
+        for call in (lambda c=c: c.put("after", b"x" * 100_000), lambda c=c: c.stats(), lambda c=c: c.exists("k-tcp"),
+                     lambda c=c: c.get("k-tcp")):
             t0 = time.monotonic()
             with pytest.raises(ConnectionError) as info:
                 call()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import socket
 import urllib.request
+from itertools import pairwise
 
 import pytest
+from conftest import Daemon, MiB, free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvstore
 from kvstore.protocol import wire
-from conftest import Daemon, MiB, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,7 +95,7 @@ def test_latency_histograms(metered):
         buckets = sorted((float(dict(labels)["le"]), v) for (name, labels), v in samples.items()
                          if name == "kvstore_op_seconds_bucket" and dict(labels)["op"] == op)
         assert len(buckets) >= 5
-        assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))  # cumulative
+        assert all(a[1] <= b[1] for a, b in pairwise(buckets))  # cumulative
 
 
 @pytest.mark.parametrize("size", [100, 200_000])

@@ -20,22 +20,20 @@ import shutil
 import subprocess
 import sys
 
+import fake_cuda  # noqa: E402
 import numpy as np
 import pytest
 import torch
+from client_child import pattern  # noqa: E402
+from conftest import HELPERS, Daemon, MiB, child_env, short_tmpdir, wait_until
 
 import kvstore
-from conftest import HELPERS, Daemon, MiB, child_env, short_tmpdir, wait_until
-from kvstore import (BufferTooSmallError, InvalidArgumentError, KeyNotFoundError, ObjectTooLargeError,
-                     TransportError)
+from kvstore import BufferTooSmallError, InvalidArgumentError, KeyNotFoundError, ObjectTooLargeError, TransportError
 from kvstore.cli.main import build_parser
 from kvstore.core.master import Master, Tier
 from kvstore.core.meta import ObjectMeta
 from kvstore.daemon.server import Server, ServerConfig
 from kvstore.transports.cuda_ipc import IPC_MAPPINGS, DeviceBuffer
-
-import fake_cuda  # noqa: E402
-from client_child import pattern  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 HAS_GPU = torch.cuda.is_available()

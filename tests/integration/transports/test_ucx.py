@@ -10,7 +10,6 @@ Everything that needs UCX is skipped, with the reason, when ucxx cannot be loade
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -18,13 +17,12 @@ import time
 
 import numpy as np
 import pytest
+from conftest import MiB, wait_until
+from paths import ROOT
 
 import kvstore
-from kvstore import transports
-from conftest import HELPERS, MiB, wait_until
-from kvstore import InvalidArgumentError, KeyNotFoundError, TransportError
+from kvstore import InvalidArgumentError, KeyNotFoundError, TransportError, transports
 from kvstore.daemon.server import Server, ServerConfig
-from paths import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -109,7 +107,7 @@ def test_batch_put_and_batch_get_into(ucx_store, prefix):
     assert [m.size for m in metas] == sizes
     outs = [np.zeros(n, dtype=np.uint8) for n in sizes]
     assert ucx_store.batch_get_into([k for k, _ in items], outs) == sizes
-    for (_, v), out in zip(items, outs):
+    for (_, v), out in zip(items, outs, strict=True):
         assert np.array_equal(out, v)
 
 
@@ -304,10 +302,10 @@ def test_choose_transport_table(same_host, daemon_has_ucx, client_has_ucx):
 
 def test_registry_without_ucxx_says_how_to_install_it():
     """Without ucxx the library still imports and works; asking for "ucx" is a clear TransportUnavailable."""
-    code = ("import sys; sys.path.insert(0, %r); from kvstore import transports\n"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from kvstore import transports\n"
             "print(transports.names())\n"
             "try:\n    transports.get('ucx')\n"
-            "except transports.TransportUnavailable as e:\n    print('UNAVAILABLE', e)\n" % str(ROOT))
+            "except transports.TransportUnavailable as e:\n    print('UNAVAILABLE', e)\n")
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "['shm', 'tcp']" in out.stdout

@@ -1,4 +1,5 @@
 import random
+from itertools import pairwise
 
 import pytest
 
@@ -58,7 +59,7 @@ def test_random_workload_never_overlaps_and_coalesces():
                 continue
             live[off] = a.size_of(off)
     spans = sorted(live.items())
-    for (o1, s1), (o2, _) in zip(spans, spans[1:]):
+    for (o1, s1), (o2, _) in pairwise(spans):
         assert o1 + s1 <= o2
     assert a.used_bytes == sum(live.values())
     for off in list(live):

@@ -1,9 +1,15 @@
 import pytest
 
-from kvstore.errors import (KeyExistsError, KeyNotFoundError, LeaseError, ObjectBusyError, ObjectTooLargeError,
-                            StoreFullError)
 from kvstore.core.master import Master, ReplicaState
 from kvstore.core.meta import ObjectMeta
+from kvstore.errors import (
+    KeyExistsError,
+    KeyNotFoundError,
+    LeaseError,
+    ObjectBusyError,
+    ObjectTooLargeError,
+    StoreFullError,
+)
 
 
 class Clock:

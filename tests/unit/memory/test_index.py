@@ -3,6 +3,8 @@ import time
 import pytest
 
 from kvstore.memory import index
+
+
 class Mem:
     """A fake 'segment' for the reader: a bytearray addressed by (segment, offset, size)."""
 

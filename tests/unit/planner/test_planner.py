@@ -5,29 +5,34 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from paths import TRACES
 
 from kvstore.planner import presets
 from kvstore.planner.calibrate import calibrate, compare_run, decode_samples, prefill_samples
 from kvstore.planner.cli import main
-from kvstore.planner.costmodel import (CostModel, TransferModel, decode_span_s, from_specs, min_tp,
-                                       steps_to_cover)
+from kvstore.planner.costmodel import CostModel, TransferModel, decode_span_s, from_specs, min_tp, steps_to_cover
 from kvstore.planner.crossover import bandwidth_crossover, prompt_crossover
 from kvstore.planner.deployment import Arch, Deployment
 from kvstore.planner.metrics import SLO, summarize
 from kvstore.planner.plan import PlanConfig, Planner
-from kvstore.workloads.runlog import read_run, write_run
 from kvstore.planner.simulator import Simulator
-from kvstore.workloads.trace import (Trace, TraceRequest, Workload, get_workload, load_trace, poisson, read_azure,
-                                   read_mooncake)
 from kvstore.planner.verdict import decide
-from paths import TRACES
+from kvstore.workloads.runlog import read_run, write_run
+from kvstore.workloads.trace import (
+    Trace,
+    TraceRequest,
+    Workload,
+    get_workload,
+    load_trace,
+    poisson,
+    read_azure,
+    read_mooncake,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

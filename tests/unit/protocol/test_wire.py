@@ -1,8 +1,8 @@
 import msgpack
 import pytest
 
-from kvstore.protocol import wire
 from kvstore.errors import InvalidArgumentError, InvalidKeyError, ProtocolError
+from kvstore.protocol import wire
 
 
 def req(**kw):
