@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvstore.client import registry
 from kvstore.client.store import KVStore
 
 
@@ -13,10 +14,5 @@ def connect(url: str, *, timeout: float = 10.0, transport: str = "auto", token: 
 
     ``transport``: "auto" (shm when the daemon shares this host, else tcp), "shm" or "tcp". Every call is
     bounded by ``timeout`` seconds; past it, StoreTimeoutError (a ConnectionError)."""
-    if isinstance(url, str) and url.startswith(("kvcluster://", "kvclusters://", "kvcluster+sentinel://")):
-        from kvstore.cluster.store import ClusterStore
-
-        return ClusterStore(url, timeout=timeout, transport=transport, token=token, client_name=client_name)
-    from kvstore.client.remote import RemoteStore
-
-    return RemoteStore(url, timeout=timeout, transport=transport, token=token, client_name=client_name)
+    backend = registry.backend(registry.backend_for_url(url))
+    return backend(url, timeout=timeout, transport=transport, token=token, client_name=client_name)

@@ -1,110 +1,145 @@
-"""GpuClient: ``put`` / ``batch_put`` / ``get_into`` of device memory for :class:`kvstore.client.remote.RemoteStore`
-(a mixin placed before :class:`kvstore.client.store.KVStore`).
+"""Device memory in a store: how ``KVStore.put`` / ``batch_put`` / ``get_into`` move torch CUDA tensors (or
+:class:`~kvstore.memory.device.DeviceBuffer` objects).
 
-Device values are torch CUDA tensors (or :class:`kvstore.transports.cuda_ipc.DeviceBuffer` objects); host values go
-to the base class unchanged. On a ``cuda_ipc`` connection they move device-to-device through the daemon's GPU
-segments; on ``shm`` device-to-host through its shared memory; other paths refuse them with
-InvalidArgumentError before anything is sent. Copies run on the caller's current CUDA stream and have completed
-when the call returns.
+A backend supplies one :class:`DeviceMemory` through ``KVStore.device_memory()`` (None: it takes host memory
+only, and device values are refused with InvalidArgumentError before anything is sent); ``KVHandoff`` asks the
+same hook whether it can hand device tensors to the store as they are. Two implementations:
 
-Checksums: an object put from device memory records none (hashing device memory would cost a device-to-host
-copy), so ``verify=True`` cannot check it; an object put from host memory and read into device memory is
-verified by copying the bytes back to the host.
+* :class:`StagedDeviceMemory` (the embedded and cluster stores): device-to-host into a host buffer, then the
+  store's host path; the reverse on reads. Checksums are recorded as for host values.
+* :class:`DirectDeviceMemory` (a client of a same-host daemon on ``cuda_ipc`` or ``shm``): device-to-device
+  through the daemon's GPU segments, or device-to-host straight into its shared memory (see
+  :mod:`kvstore.transports.cuda_ipc`). An object put from device memory this way records no checksum (hashing
+  device memory would cost a device-to-host copy), so ``verify=True`` cannot check it; an object put from
+  host memory and read into device memory is verified by copying the bytes back to the host.
+
+Copies run on the caller's current CUDA stream and have completed when the call returns.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from kvstore.client.store import PutFlags
 from kvstore.core.digest import Digest
-from kvstore.core.meta import ObjectMeta, validate_key
+from kvstore.core.meta import ObjectMeta
 from kvstore.core.value import Payload
-from kvstore.errors import BufferTooSmallError, InvalidArgumentError, TransportError
+from kvstore.errors import BufferTooSmallError, TransportError
 from kvstore.gpu import runtime as gpu
-from kvstore.transports.base import TransportFailure, TransportUnavailable
-from kvstore.transports.cuda_ipc import CudaIpcTransport, DeviceBuffer, ShmDevicePath, device_path
+from kvstore.memory.device import DeviceBuffer, address_of
+from kvstore.transports.base import Channel, TransportFailure
+from kvstore.transports.cuda_ipc import CudaIpcTransport, ShmDevicePath
+
+PutMany = Callable[..., list[ObjectMeta]]  # a backend's _put_many(items, digests, *, flags)
+GetInto = Callable[[str, Callable[[int], memoryview]], tuple[int, int | None]]  # a backend's _get_into
+
+
+class DeviceMemory(Protocol):
+    """What a store does with device values."""
+
+    def describe(self) -> str:
+        """How device buffers move (``stats()["device_path"]``)."""
+        ...
+
+    def put_many(self, items: list[tuple[ObjectMeta, Payload]], flags: Any) -> list[ObjectMeta]:
+        """Store every item (device or host payloads) all or nothing, like ``batch_put``."""
+        ...
+
+    def get_into(self, key: str, dst: DeviceBuffer) -> tuple[int, int | None]:
+        """Copy object ``key`` into ``dst``; (size, checksum recorded at commit). BufferTooSmallError first."""
+        ...
+
+    def close(self) -> None:
+        ...
 
 
 def _no_digest() -> None:
     return None
 
 
-class GpuClient:
-    """Mixin. Expects ``_data`` (the connection's transport), ``_conn``, ``transport``, ``_prepare``,
-    ``_put``, ``_put_many`` and ``_verify_raw``."""
+def _fitter(key: str, capacity: int) -> Callable[[int], None]:
+    def fit(size: int) -> None:
+        if size > capacity:
+            raise BufferTooSmallError(f"object {key!r} is {size} bytes but the buffer holds {capacity}",
+                                      needed=size, got=capacity)
+    return fit
 
-    _device: CudaIpcTransport | ShmDevicePath | None = None
 
-    def put(self, key: str, value: Any, meta: dict | None = None, ttl: float | None = None, *,
-            if_absent: bool = False, pin: bool = False, ephemeral: bool = False) -> ObjectMeta:
-        if not gpu.is_device_value(value):
-            return super().put(key, value, meta, ttl, if_absent=if_absent, pin=pin, ephemeral=ephemeral)
-        self._device_path()  # refuse before anything is sent
-        object_meta, payload = self._prepare_device(key, value, meta, ttl)
-        return self._put(object_meta, payload, _no_digest,
-                         flags=PutFlags(if_absent=if_absent, pin=pin, ephemeral=ephemeral))
+def _to_device(dst: DeviceBuffer, host: memoryview) -> None:
+    if len(host):
+        dst.runtime.copy_and_wait(dst.ptr, address_of(host), len(host), dst.device, dst.stream)
 
-    def batch_put(self, items: Iterable[tuple[str, Any]], ttl: float | None = None, *,
-                  ephemeral: bool = False) -> list[ObjectMeta]:
-        items = list(items)
-        if not any(gpu.is_device_value(value) for _, value in items):
-            return super().batch_put(items, ttl, ephemeral=ephemeral)
-        self._device_path()
-        prepared = [self._prepare_device(key, value, None, ttl) if gpu.is_device_value(value)
-                    else self._prepare(key, value, None, ttl) for key, value in items]
-        digests = [_no_digest if isinstance(p.view, DeviceBuffer) else Digest(p.view) for _, p in prepared]
-        return self._put_many(prepared, digests, flags=PutFlags(ephemeral=ephemeral))
 
-    def get_into(self, key: str, out: Any, *, verify: bool = False) -> int:
-        if not gpu.is_device_value(out):
-            return super().get_into(key, out, verify=verify)
-        path = self._device_path()
-        dst = gpu.device_destination(out)
-        key = validate_key(key)
+class StagedDeviceMemory:
+    """Device values through a host buffer and the store's own host path (any backend)."""
 
-        def fit(reply: dict) -> DeviceBuffer:
-            size = reply["size"]
-            if size > len(dst):
-                raise BufferTooSmallError(f"object {key!r} is {size} bytes but the buffer holds {len(dst)}",
-                                          needed=size, got=len(dst))
+    def __init__(self, put_many: PutMany, get_into: GetInto):
+        self._put_many, self._get_into = put_many, get_into
+
+    def describe(self) -> str:
+        return "staged: device <-> host buffer, then the store's host path"
+
+    def put_many(self, items: list[tuple[ObjectMeta, Payload]], flags: Any) -> list[ObjectMeta]:
+        staged = [(meta, self._stage(payload)) for meta, payload in items]
+        return self._put_many(staged, [Digest(p.view) for _, p in staged], flags=flags)
+
+    @staticmethod
+    def _stage(payload: Payload) -> Payload:
+        if not isinstance(payload.view, DeviceBuffer):
+            return payload
+        return Payload(gpu.to_host(payload.view, len(payload.view)), payload.kind, payload.dtype, payload.shape)
+
+    def get_into(self, key: str, dst: DeviceBuffer) -> tuple[int, int | None]:
+        fit = _fitter(key, len(dst))
+        holder: list[memoryview] = []
+
+        def host(size: int) -> memoryview:
+            fit(size)
+            holder.append(memoryview(bytearray(size)))
+            return holder[0]
+
+        size, checksum = self._get_into(key, host)
+        if holder:
+            _to_device(dst, holder[0][:size])
+        return size, checksum
+
+    def close(self) -> None:
+        pass
+
+
+class DirectDeviceMemory:
+    """Device values straight to and from a same-host daemon's memory (``cuda_ipc`` or ``shm``)."""
+
+    def __init__(self, path: CudaIpcTransport | ShmDevicePath, channel: Channel, put_many: PutMany,
+                 transport: str, owned: bool):
+        self.path, self._channel, self._put_many = path, channel, put_many
+        self._transport, self._owned = transport, owned
+
+    def describe(self) -> str:
+        return self.path.describe()
+
+    def put_many(self, items: list[tuple[ObjectMeta, Payload]], flags: Any) -> list[ObjectMeta]:
+        digests = [_no_digest if isinstance(p.view, DeviceBuffer) else Digest(p.view) for _, p in items]
+        return self._put_many(items, digests, flags=flags)
+
+    def put(self, request: dict, src: DeviceBuffer, digest: Callable[[], int | None]) -> dict:
+        """One put of device bytes (the backend's data path calls this for device payloads)."""
+        return self.path.put_device(self._channel, request, src, digest)
+
+    def get_into(self, key: str, dst: DeviceBuffer) -> tuple[int, int | None]:
+        fit = _fitter(key, len(dst))
+
+        def into(reply: dict) -> DeviceBuffer:
+            fit(reply["size"])
             return dst
 
         try:
-            reply = path.get_into_device(self._conn, {"op": "get", "key": key}, fit)
+            reply = self.path.get_into_device(self._channel, {"op": "get", "key": key}, into)
         except TransportFailure as exc:
-            raise TransportError(f"get of {key!r} failed on the {self.transport} path: {exc}") from None
-        size, checksum = reply["size"], reply["meta"]["checksum"]
-        if verify and checksum is not None:
-            self._verify_raw(key, checksum, gpu.to_host(dst, size))
-        return size
+            raise TransportError(f"get of {key!r} failed on the {self._transport} path: {exc}") from None
+        return reply["size"], reply["meta"]["checksum"]
 
-    def device_path_name(self) -> str:
-        """How device buffers move on this connection (``stats()["device_path"]``)."""
-        try:
-            return self._device_path().describe()
-        except InvalidArgumentError:
-            return "none: this path moves host memory only"
-
-    # ---- internals ----------------------------------------------------------------------------------
-    def _prepare_device(self, key: str, value: Any, meta: dict | None, ttl: float | None
-                        ) -> tuple[ObjectMeta, Payload]:
-        base, _ = self._prepare(key, b"", meta, ttl)  # validates key, ttl and user meta
-        payload = gpu.device_payload(value)
-        return ObjectMeta(key=base.key, size=len(payload.view), kind=payload.kind, dtype=payload.dtype,
-                          shape=payload.shape, producer=base.producer, ttl=base.ttl, user=base.user), payload
-
-    def _device_path(self) -> CudaIpcTransport | ShmDevicePath:
-        if self._device is None:
-            try:
-                self._device = device_path(self._data)
-            except TransportUnavailable as exc:
-                raise InvalidArgumentError(f"{exc}; this connection uses {self.transport}") from None
-        return self._device
-
-    def _close_device_path(self) -> None:
-        """Unpin what the device path pinned; call before the transport unmaps the shared memory."""
-        device, self._device = self._device, None
-        if device is not None and device is not self._data:
-            device.close()
+    def close(self) -> None:
+        """Unpin what the path pinned; call before the transport unmaps the shared memory."""
+        if self._owned:
+            self.path.close()

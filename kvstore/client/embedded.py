@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstore.client.device import StagedDeviceMemory
 from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
 from kvstore.core.master import Master, Replica, describe_replica
@@ -146,6 +147,10 @@ class EmbeddedStore(KVStore):
     def _inspect(self, key: str) -> dict:
         with self._lock:
             return describe_replica(self._m().lookup(key), self._m().clock())
+
+    def device_memory(self) -> StagedDeviceMemory:
+        """Device values move through a host buffer (this store holds host memory only)."""
+        return StagedDeviceMemory(self._put_many, self._get_into)
 
     def stats(self) -> dict:
         with self._lock:

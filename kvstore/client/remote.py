@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore import transports
-from kvstore.client.device import GpuClient
+from kvstore.client.device import DirectDeviceMemory
 from kvstore.client.rpc import Connection
 from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
@@ -24,14 +24,15 @@ from kvstore.memory.device import DeviceBuffer
 from kvstore.memory.index import IndexReader
 from kvstore.memory.shm import SharedMemory, SharedMemoryError
 from kvstore.protocol.url import Endpoint, host_id
-from kvstore.transports.base import TransportFailure
+from kvstore.transports.base import TransportFailure, TransportUnavailable
+from kvstore.transports.cuda_ipc import device_path
 from kvstore.transports.shm import ShmTransport
 from kvstore.transports.tcp import StreamTransport
 
 INLINE_MAX = 64 << 10
 
 
-class RemoteStore(GpuClient, KVStore):
+class RemoteStore(KVStore):
     def __init__(self, url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
                  client_name: str = ""):
         self.endpoint = Endpoint.parse(url)
@@ -45,6 +46,8 @@ class RemoteStore(GpuClient, KVStore):
         self._conn = Connection(self.endpoint, timeout)
         self._index: IndexReader | None = None
         self._index_shm: SharedMemory | None = None
+        self._device: DirectDeviceMemory | None = None  # built on first use of device memory
+        self._device_reason = ""  # why this connection cannot move device memory, once known
         try:
             hello = self._conn.call({"op": "hello", "client": client_name or f"pid-{os.getpid()}",
                                      "token": token, "transport": transport, "host": host_id(),
@@ -94,8 +97,8 @@ class RemoteStore(GpuClient, KVStore):
         request = {"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(),
                    "if_absent": flags.if_absent, "pin": flags.pin, "ephemeral": flags.ephemeral, "defer": defer}
         try:
-            if isinstance(payload.view, DeviceBuffer):  # see GpuClient
-                return self._device_path().put_device(self._conn, request, payload.view, digest)
+            if isinstance(payload.view, DeviceBuffer):  # routed here by device_memory().put_many
+                return self._direct_device().put(request, payload.view, digest)
             return self._path(meta.size).put(self._conn, request, payload.view, digest)
         except TransportFailure as exc:
             raise TransportError(f"put of {meta.key!r} failed on the {self.transport} path: {exc}") from None
@@ -207,8 +210,35 @@ class RemoteStore(GpuClient, KVStore):
     def stats(self) -> dict:
         out = self._call("stats")
         out["transport"] = self.transport
-        out["device_path"] = self.device_path_name()
+        device = self.device_memory()
+        out["device_path"] = device.describe() if device is not None else "none: this path moves host memory only"
         return out
+
+    # ---- device memory ------------------------------------------------------------------------------
+    def device_memory(self) -> DirectDeviceMemory | None:
+        if self._device is None and not self._device_reason:
+            try:
+                path = device_path(self._data)
+            except TransportUnavailable as exc:
+                self._device_reason = f"{exc}; this connection uses {self.transport}"
+                return None
+            self._device = DirectDeviceMemory(path, self._conn, self._put_many, self.transport,
+                                              owned=path is not self._data)
+        return self._device
+
+    def _direct_device(self) -> DirectDeviceMemory:
+        device = self.device_memory()
+        if device is None:
+            raise InvalidArgumentError(self._device_reason)
+        return device
+
+    def _device_refusal(self) -> str:
+        return self._device_reason or super()._device_refusal()
+
+    @property
+    def connected(self) -> bool:
+        """False once the control connection is closed (by us, the daemon, or a failure)."""
+        return not self._conn.closed
 
     def ping(self) -> None:
         self._call("ping")
@@ -220,7 +250,9 @@ class RemoteStore(GpuClient, KVStore):
         self._conn.close()
         if self._waiter is not None:
             self._waiter.close()
-        self._close_device_path()  # unpins shared memory: before the transport unmaps it
+        if self._device is not None:  # unpins shared memory: before the transport unmaps it
+            self._device.close()
+            self._device = None
         self._data.close()
         if self._index_shm is not None:
             self._index = None

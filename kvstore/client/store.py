@@ -11,13 +11,18 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvstore.client import registry
 from kvstore.core.digest import Digest, checksum_of
 from kvstore.core.meta import ObjectMeta, validate_key, validate_ttl, validate_user_meta
 from kvstore.core.value import KVObject, Payload, as_payload, writable_view
 from kvstore.errors import BufferTooSmallError, ChecksumError, InvalidArgumentError
+from kvstore.gpu import runtime as gpu
 from kvstore.units import parse_size
+
+if TYPE_CHECKING:
+    from kvstore.client.device import DeviceMemory
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +44,7 @@ class KVStore(ABC):
     @staticmethod
     def embedded(capacity: int | str = "1GiB", **options: Any) -> KVStore:
         """A store living in this process (no daemon). Options: high_watermark, low_watermark."""
-        from kvstore.client.embedded import EmbeddedStore
-
-        return EmbeddedStore(parse_size(capacity), **options)
+        return registry.backend("embedded")(parse_size(capacity), **options)
 
     def __enter__(self) -> KVStore:
         return self
@@ -58,9 +61,12 @@ class KVStore(ABC):
         version finishes on the old bytes. ``if_absent`` raises KeyExistsError instead of replacing;
         ``pin`` keeps the object from eviction; ``ttl`` seconds after commit it expires; an ``ephemeral``
         object is removed when this client disconnects (or dies)."""
+        flags = PutFlags(if_absent=if_absent, pin=pin, ephemeral=ephemeral)
+        if gpu.is_device_value(value):
+            device = self._require_device()  # refuse before anything is sent
+            return device.put_many([self._prepare_device(key, value, meta, ttl)], flags)[0]
         object_meta, payload = self._prepare(key, value, meta, ttl)
-        return self._put(object_meta, payload, Digest(payload.view),
-                         flags=PutFlags(if_absent=if_absent, pin=pin, ephemeral=ephemeral))
+        return self._put(object_meta, payload, Digest(payload.view), flags=flags)
 
     def _prepare(self, key: str, value: Any, meta: dict | None, ttl: float | None) -> tuple[ObjectMeta, Payload]:
         payload = as_payload(value)
@@ -68,15 +74,28 @@ class KVStore(ABC):
                           shape=payload.shape, producer=self.producer, ttl=validate_ttl(ttl),
                           user=validate_user_meta(meta)), payload
 
+    def _prepare_device(self, key: str, value: Any, meta: dict | None, ttl: float | None
+                        ) -> tuple[ObjectMeta, Payload]:
+        base, _ = self._prepare(key, b"", meta, ttl)  # validates key, ttl and user meta
+        payload = gpu.device_payload(value)
+        return ObjectMeta(key=base.key, size=len(payload.view), kind=payload.kind, dtype=payload.dtype,
+                          shape=payload.shape, producer=base.producer, ttl=base.ttl, user=base.user), payload
+
     def batch_put(self, items: Iterable[tuple[str, Any]], ttl: float | None = None, *,
                   ephemeral: bool = False) -> list[ObjectMeta]:
         """Store several objects, all or nothing: they become visible together (in order) when every byte
         of every one is written; if one fails, none is visible and all their space is freed."""
+        items = list(items)
+        flags = PutFlags(ephemeral=ephemeral)
+        if any(gpu.is_device_value(value) for _, value in items):
+            device = self._require_device()
+            return device.put_many([self._prepare_device(key, value, None, ttl) if gpu.is_device_value(value)
+                                    else self._prepare(key, value, None, ttl) for key, value in items], flags)
         prepared = [self._prepare(key, value, None, ttl) for key, value in items]
         if not prepared:
             return []
         digests = [Digest(payload.view) for _, payload in prepared]
-        return self._put_many(prepared, digests, flags=PutFlags(ephemeral=ephemeral))
+        return self._put_many(prepared, digests, flags=flags)
 
     # ---- reads --------------------------------------------------------------------------------------
     def get(self, key: str, *, copy: bool = True, verify: bool = False) -> KVObject:
@@ -89,7 +108,10 @@ class KVStore(ABC):
 
     def get_into(self, key: str, out: Any, *, verify: bool = False) -> int:
         """Copy the object into ``out`` (numpy array, torch CPU tensor, bytearray, writable memoryview);
-        returns the number of bytes written. BufferTooSmallError (nothing written) if it does not fit."""
+        returns the number of bytes written. BufferTooSmallError (nothing written) if it does not fit.
+        A CUDA tensor (or DeviceBuffer) goes through ``device_memory()``."""
+        if gpu.is_device_value(out):
+            return self._get_into_device(key, out, verify)
         dst = writable_view(out)
         key = validate_key(key)
 
@@ -102,6 +124,15 @@ class KVStore(ABC):
         size, checksum = self._get_into(key, fit)
         if verify:
             self._verify_raw(key, checksum, dst[:size])
+        return size
+
+    def _get_into_device(self, key: str, out: Any, verify: bool) -> int:
+        device = self._require_device()
+        dst = gpu.device_destination(out)
+        key = validate_key(key)
+        size, checksum = device.get_into(key, dst)
+        if verify and checksum is not None:
+            self._verify_raw(key, checksum, gpu.to_host(dst, size))
         return size
 
     def batch_get_into(self, keys: Sequence[str], outs: Sequence[Any]) -> list[int]:
@@ -132,6 +163,24 @@ class KVStore(ABC):
     def inspect(self, key: str) -> dict:
         """Size, dtype/shape, checksum, state, leases, age, TTL, segment and offset of one object."""
         return self._inspect(validate_key(key))
+
+    # ---- device memory ------------------------------------------------------------------------------
+    def device_memory(self) -> DeviceMemory | None:
+        """How this store moves device values (CUDA tensors, DeviceBuffers), or None when it takes host memory
+        only. ``put`` / ``batch_put`` / ``get_into`` route device values through it; callers such as
+        ``KVHandoff`` ask it whether device tensors may be handed over as they are."""
+        return None
+
+    def _device_refusal(self) -> str:
+        """Why ``device_memory()`` is None (the message of the InvalidArgumentError device values get)."""
+        return ("this store takes host memory only; connect to a kvstore daemon on this host (transport 'auto', "
+                "'cuda_ipc' or 'shm'), which moves CUDA tensors, or pass a CPU tensor")
+
+    def _require_device(self) -> DeviceMemory:
+        device = self.device_memory()
+        if device is None:
+            raise InvalidArgumentError(self._device_refusal())
+        return device
 
     def _batch_exists(self, keys: list[str]) -> list[bool]:
         return [self._exists(key) for key in keys]

@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable, Iterator
 
 from kvstore.client.remote import RemoteStore
+from kvstore.client.store import PutFlags
+from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta
-from kvstore.core.value import KVObject
+from kvstore.core.value import KVObject, Payload
 from kvstore.errors import StoreConnectionError, TransportError
 from kvstore.transports.base import TransportFailure
 
@@ -65,6 +67,22 @@ class NodeClient(RemoteStore):
 
     def evict_local(self, key: str) -> bool:
         return bool(self._conn.call({"op": "peer_evict", "key": key}).get("value"))
+
+    # The cluster client prepares values once and hands them to the member that stores them.
+    def put_prepared(self, meta: ObjectMeta, payload: Payload, digest: Digest, flags: PutFlags) -> ObjectMeta:
+        """Store an already validated and encoded value (see ``KVStore._prepare``)."""
+        return self._put(meta, payload, digest, flags=flags)
+
+    def put_many_prepared(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest],
+                          flags: PutFlags) -> list[ObjectMeta]:
+        return self._put_many(items, digests, flags=flags)
+
+    def take_lease(self, key: str) -> tuple[int, ObjectMeta]:
+        """A lease on ``key`` held by this connection until ``drop_lease``."""
+        return self._lease(key)
+
+    def drop_lease(self, lease: int) -> None:
+        self._release(lease)
 
 
 class PeerPool:
@@ -117,7 +135,7 @@ class PeerPool:
             idle = self._idle.get((node, epoch))
             while idle:
                 client = idle.pop()
-                if not client._conn.closed:
+                if not not client.connected:
                     return client
                 client.close()
         return None
@@ -125,7 +143,7 @@ class PeerPool:
     def _give(self, client: NodeClient) -> None:
         with self._lock:
             idle = self._idle.setdefault((client.node, client.epoch), [])
-            if self._closed or client._conn.closed or len(idle) >= self.idle_per_node:
+            if self._closed or not client.connected or len(idle) >= self.idle_per_node:
                 extra = client
             else:
                 idle.append(client)

@@ -28,6 +28,7 @@ from enum import Enum
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from kvstore.client.device import StagedDeviceMemory
 from kvstore.client.store import KVStore, PutFlags
 from kvstore.cluster.config import Names, check_name, open_redis, redact
 from kvstore.cluster.directory import Directory, Entry
@@ -188,11 +189,11 @@ class ClusterStore(KVStore):
 
     # ---- writes -------------------------------------------------------------------------------------
     def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: PutFlags) -> ObjectMeta:
-        return self._write(lambda c, f: c._put(meta, payload, digest, flags=f), flags)
+        return self._write(lambda c, f: c.put_prepared(meta, payload, digest, f), flags)
 
     def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
                   flags: PutFlags) -> list[ObjectMeta]:
-        return self._write(lambda c, f: c._put_many(items, digests, flags=f), flags)
+        return self._write(lambda c, f: c.put_many_prepared(items, digests, f), flags)
 
     def _write(self, fn: Callable[[NodeClient, PutFlags], Any], flags: PutFlags) -> Any:
         targets = self._targets()
@@ -295,7 +296,7 @@ class ClusterStore(KVStore):
         record = self._home_or_any()
         client = self.pool.checkout(record.node, record.epoch, record.addr)
         try:
-            lease, meta = client._lease(key)
+            lease, meta = client.take_lease(key)
         except BaseException:
             self.pool.checkin(client)
             raise
@@ -304,7 +305,7 @@ class ClusterStore(KVStore):
     def _release(self, handle: Any) -> None:
         client, lease = handle
         try:
-            client._release(lease)
+            client.drop_lease(lease)
         except StoreConnectionError:
             pass  # the node is gone, and its leases with it
         finally:
@@ -332,6 +333,10 @@ class ClusterStore(KVStore):
 
     def _inspect(self, key: str) -> dict:
         return self._delegate(lambda c: c.inspect(key))
+
+    def device_memory(self) -> StagedDeviceMemory:
+        """Device values move through a host buffer (this store holds host memory only)."""
+        return StagedDeviceMemory(self._put_many, self._get_into)
 
     def stats(self) -> dict:
         """Totals over the live members, each member's own stats under ``nodes``, and this client's counters."""

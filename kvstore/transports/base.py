@@ -7,6 +7,7 @@ daemon segment. The control messages (dicts) are opaque to it except for the dat
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -79,9 +80,13 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+#: The built-in transports, by module path: imported on first use (no side effects at package import, and no
+#: module of this package imports another back). A module registers its transport when imported, or records
+#: why it is unavailable here (ucx without ucxx, cuda_ipc without torch) without importing that dependency.
+_MODULES = ("kvstore.transports.shm", "kvstore.transports.tcp", "kvstore.transports.ucx",
+            "kvstore.transports.cuda_ipc")
+
+
 def _load_builtin() -> None:
-    # Imported on first use, not at package import: no side effects at import time.
-    import kvstore.transports.cuda_ipc  # noqa: F401  (registers "cuda_ipc" only when torch is installed; never imports it)
-    import kvstore.transports.shm  # noqa: F401
-    import kvstore.transports.tcp  # noqa: F401
-    import kvstore.transports.ucx  # noqa: F401  (registers "ucx" only when ucxx is installed; never imports it here)
+    for module in _MODULES:
+        importlib.import_module(module)

@@ -48,14 +48,6 @@ def _cuda(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise TransportFailure(f"{what} failed: {exc}") from None
 
 
-def _segment_size(shm: ShmTransport, segment: int) -> int:
-    """Size of a segment the daemon announced at hello (ShmTransport keeps that table; same package)."""
-    try:
-        return shm._segments[segment][1]
-    except KeyError:
-        raise TransportFailure(f"daemon named unknown segment {segment}") from None
-
-
 def _finish_put(channel: Channel, request: dict, reply: dict, checksum: Callable[[], int | None]) -> dict:
     if request.get("defer"):  # the caller commits a whole batch at once
         return {"put_id": reply["put_id"], "checksum": checksum()}
@@ -158,7 +150,7 @@ class ShmDevicePath:
         with self._lock:
             if segment in self._pinned or segment in self._unpinned:
                 return
-            size = _segment_size(self._shm, segment)
+            size = self._shm.segment_size(segment)
             whole = self._shm.region(segment, 0, size)
             try:
                 base = address_of(whole)

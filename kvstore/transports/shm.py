@@ -27,6 +27,13 @@ class ShmTransport:
         self._segments = dict(segments)
         self._maps: dict[int, SharedMemory] = {}
 
+    def segment_size(self, segment: int) -> int:
+        """Size of a segment the daemon announced at hello."""
+        try:
+            return self._segments[segment][1]
+        except KeyError:
+            raise TransportFailure(f"daemon named unknown segment {segment}") from None
+
     def region(self, segment: int, offset: int, length: int) -> memoryview:
         seg = self._maps.get(segment)
         if seg is None:
