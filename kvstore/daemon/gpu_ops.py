@@ -20,20 +20,13 @@ from typing import TYPE_CHECKING
 from kvstore.core.master import Tier
 from kvstore.core.meta import ObjectMeta
 from kvstore.errors import InvalidArgumentError, KVStoreError, TransportError
-from kvstore.protocol import wire
 
 if TYPE_CHECKING:
     from kvstore.core.master import Lease, Replica
     from kvstore.gpu.memory import GpuMemory
 
-if "cuda_put" not in wire.SCHEMA:
-    wire.register_op("cuda_segments", {})
-    wire.register_op("cuda_put", {name: spec for name, spec in wire.SCHEMA["put"].items() if name != "mode"})
-    wire.register_op("cuda_get", {"key": wire.SCHEMA["get"]["key"]})
-
-
 class GpuOps:
-    """Session mixin. Expects ``server``, ``client``, ``transport``, ``_ok`` and ``_send``."""
+    """Session mixin. Expects ``ctx``, ``master``, ``segments``, ``client``, ``transport``, ``_ok`` and ``_send``."""
 
     _staging: dict[int, int] | None = None  # lease id -> put id of the host region staging a GPU object
 
@@ -49,13 +42,13 @@ class GpuOps:
                                        f"request says size {f['size']}")
         if f["checksum"] is not None:
             meta = replace(meta, checksum=f["checksum"])
-        replica = self.server.master.begin_put(meta, self.client, if_absent=f["if_absent"], pin=f["pin"],
+        replica = self.master.begin_put(meta, self.client, if_absent=f["if_absent"], pin=f["pin"],
                                                ephemeral=f["ephemeral"], tier=Tier.GPU)
         return self._ok(rid, put_id=replica.id, segment=replica.segment, offset=replica.offset, tier=Tier.GPU.value)
 
     async def op_cuda_get(self, rid: int, f: dict) -> dict:
         self._gpu()  # before the lease is taken
-        master = self.server.master
+        master = self.master
         lease = master.lease(f["key"], self.client)
         r = lease.replica
         return self._ok(rid, meta=r.meta.to_wire(), segment=r.segment, offset=r.offset, size=r.size, lease=lease.id,
@@ -63,7 +56,7 @@ class GpuOps:
 
     # ---- hooks for Session --------------------------------------------------------------------------
     def _on_gpu(self, replica: Replica) -> bool:
-        return self.server.master.tier_of(replica) is Tier.GPU
+        return self.master.tier_of(replica) is Tier.GPU
 
     async def _staged_get(self, rid: int, f: dict, lease: Lease) -> dict | None:
         """Serve a get of a GPU-resident object through host memory (the lease is held; it is released here
@@ -73,7 +66,7 @@ class GpuOps:
             if f["mode"] == "region":
                 return await self._stage_region(rid, lease)
             data = memoryview(bytearray(replica.size))
-            await self.server.gpu.copy_to_host(replica.segment, replica.offset, data)
+            await self.ctx.gpu.copy_to_host(replica.segment, replica.offset, data)
         except BaseException:
             self._release_lease(lease.id)
             raise
@@ -84,11 +77,11 @@ class GpuOps:
         return None
 
     async def _stage_region(self, rid: int, lease: Lease) -> dict:
-        master, replica = self.server.master, lease.replica
+        master, replica = self.master, lease.replica
         staging = master.begin_put(replica.meta, self.client, tier=Tier.HOST)
         try:
-            region = self.server.segments[staging.segment].view(staging.offset, replica.size)
-            await self.server.gpu.copy_to_host(replica.segment, replica.offset, region)
+            region = self.segments[staging.segment].view(staging.offset, replica.size)
+            await self.ctx.gpu.copy_to_host(replica.segment, replica.offset, region)
             region.release()
         except BaseException:
             self._abort_quietly(staging.id)
@@ -109,20 +102,20 @@ class GpuOps:
     def _gpu(self) -> GpuMemory:
         if self.transport != "cuda_ipc":
             raise TransportError(f"cuda ops need the cuda_ipc transport; this connection uses {self.transport}")
-        if self.server.gpu is None:
+        if self.ctx.gpu is None:
             raise TransportError("this daemon holds no GPU segments (start it with --gpu-capacity)")
-        return self.server.gpu
+        return self.ctx.gpu
 
     def _release_lease(self, lease_id: int) -> None:
         if self.client is None:
             return  # the session closed: the master released this client's leases already
         try:
-            self.server.master.release(lease_id)
+            self.master.release(lease_id)
         except KVStoreError:
             pass
 
     def _abort_quietly(self, put_id: int) -> None:
         try:
-            self.server.master.abort(put_id)
+            self.master.abort(put_id)
         except KVStoreError:
             pass  # revoked meanwhile (the client went away)

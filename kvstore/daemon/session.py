@@ -13,6 +13,7 @@ import hmac
 import logging
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -32,11 +33,14 @@ from kvstore.errors import (
 from kvstore.protocol import wire
 
 if TYPE_CHECKING:
-    from kvstore.daemon.server import Server
+    from kvstore.daemon.context import DaemonContext
 
 log = logging.getLogger("kvstore.daemon.server")
 _BUFFER = 64 << 10
 _INLINE_REPLY = 64 << 10  # stream replies up to this size go out in one send with their header
+
+
+Handler = Callable[[int, dict], Awaitable[dict | None]]  # (request id, validated fields) -> reply or None
 
 
 class _Closed(Exception):
@@ -44,8 +48,10 @@ class _Closed(Exception):
 
 
 class Session(GpuOps, UcxOps):
-    def __init__(self, server: Server, sock: socket.socket, peer: str):
-        self.server, self.sock, self.peer = server, sock, peer
+    def __init__(self, ctx: DaemonContext, sock: socket.socket, peer: str):
+        self.ctx, self.sock, self.peer = ctx, sock, peer
+        self.master, self.segments, self.metrics = ctx.master, ctx.segments, ctx.metrics
+        self._handlers = self.handlers()
         self.loop = asyncio.get_running_loop()
         self.client: int | None = None
         self.name = ""
@@ -112,7 +118,7 @@ class Session(GpuOps, UcxOps):
     async def _send(self, message: dict, payload: memoryview | None = None) -> None:
         frame = wire.encode(message)
         if payload is not None:
-            self.server.metrics.bytes_out(len(payload))
+            self.metrics.bytes_out(len(payload))
             if len(payload) <= _INLINE_REPLY:
                 frame += payload
                 payload = None
@@ -123,7 +129,7 @@ class Session(GpuOps, UcxOps):
     # ---- loop ---------------------------------------------------------------------------------------
     async def run(self) -> None:
         try:
-            while not self.server.draining:
+            while not self.ctx.draining:
                 try:
                     message = await self._read_frame()
                 except ProtocolError as exc:  # oversized frame: the stream cannot be resynchronised
@@ -148,11 +154,11 @@ class Session(GpuOps, UcxOps):
     def close(self) -> None:
         self._close_data()  # cancel UCX transfers into segment memory before their space is freed
         if self.client is not None:
-            puts, leases = self.server.master.drop_client(self.client)
+            puts, leases = self.master.drop_client(self.client)
             if puts or leases:
                 log.info("client %s gone: revoked %d pending puts, released %d leases", self.peer, puts, leases)
             self.client = None
-        self.server.sessions.discard(self)
+        self.ctx.session_closed(self)
         try:
             self.sock.close()
         except OSError:
@@ -168,8 +174,11 @@ class Session(GpuOps, UcxOps):
             if self.client is None and op != "hello":
                 raise AuthenticationError("the first request on a connection must be hello")
             if self.client is not None:
-                self.server.master.heartbeat(self.client)
-            reply = await getattr(self, f"op_{op}")(rid, fields)
+                self.master.heartbeat(self.client)
+            handler = self._handlers.get(op)
+            if handler is None:
+                raise ProtocolError(f"op {op!r} is not served by this daemon")
+            reply = await handler(rid, fields)
             result = "ok"
         except _Closed:
             raise
@@ -186,7 +195,7 @@ class Session(GpuOps, UcxOps):
             result = "Server"
             log.exception("client %s op %s crashed", self.peer, op)
             reply = wire.error_reply(rid, ServerError(f"internal error in {op}: {type(exc).__name__}: {exc}"))
-        self.server.metrics.op(op if op in wire.SCHEMA else "unknown", result, time.perf_counter() - started)
+        self.metrics.op(op if op in wire.SCHEMA else "unknown", result, time.perf_counter() - started)
         if reply is not None and not message.get("noreply"):
             await self._send(reply)
 
@@ -195,7 +204,7 @@ class Session(GpuOps, UcxOps):
         self._unread_payload = False
         size = message.get("size")
         if isinstance(exc, ObjectTooLargeError) or not isinstance(size, int) or isinstance(size, bool) \
-                or size < 0 or size > self.server.master.capacity:
+                or size < 0 or size > self.master.capacity:
             await self._send(wire.error_reply(message.get("id", 0) if isinstance(message.get("id"), int) else 0,
                                               exc))
             raise _Closed(f"refused a streamed put ({exc}); payload cannot be skipped safely")
@@ -205,8 +214,22 @@ class Session(GpuOps, UcxOps):
         return {"v": wire.VERSION, "id": rid, "ok": True, **fields}
 
     # ---- ops ----------------------------------------------------------------------------------------
+    def handlers(self) -> dict[str, Handler]:
+        """The ops this session serves, each with its handler. Every op's fields are declared in
+        ``kvstore.protocol.wire.SCHEMA``; an op declared there but absent here gets a ProtocolError."""
+        return {
+            "hello": self.op_hello, "ping": self.op_ping, "put": self.op_put, "commit": self.op_commit,
+            "commit_many": self.op_commit_many, "abort": self.op_abort, "get": self.op_get,
+            "release": self.op_release, "lease": self.op_lease, "exists": self.op_exists,
+            "batch_exists": self.op_batch_exists, "evict": self.op_evict, "remove": self.op_remove,
+            "inspect": self.op_inspect, "stats": self.op_stats, "ls": self.op_ls, "wait": self.op_wait,
+            # the GPU data path (kvstore.daemon.gpu_ops) and the UCX data path (kvstore.daemon.ucx_ops)
+            "cuda_segments": self.op_cuda_segments, "cuda_put": self.op_cuda_put, "cuda_get": self.op_cuda_get,
+            "ucx_connect": self.op_ucx_connect, "ucx_claim": self.op_ucx_claim,
+        }
+
     async def op_hello(self, rid: int, f: dict) -> dict:
-        server = self.server
+        server = self.ctx
         if server.config.token is not None and not hmac.compare_digest(
                 (f["token"] or "").encode(), server.config.token.encode()):
             raise AuthenticationError("wrong or missing token")
@@ -233,7 +256,7 @@ class Session(GpuOps, UcxOps):
             self._require_shm()  # before anything is reserved
         if f["checksum"] is not None:
             meta = replace(meta, checksum=f["checksum"])
-        master = self.server.master
+        master = self.master
         replica = master.begin_put(meta, self.client, if_absent=f["if_absent"], pin=f["pin"],
                                    ephemeral=f["ephemeral"])
         if f["mode"] == "region":
@@ -241,7 +264,7 @@ class Session(GpuOps, UcxOps):
         if f["mode"] == "ucx":
             return self._ucx_put_reply(rid, replica)
         try:
-            region = self.server.segments[replica.segment].view(replica.offset, meta.size)
+            region = self.segments[replica.segment].view(replica.offset, meta.size)
             self._unread_payload = False
             await self._read_into(region)
             region.release()
@@ -249,22 +272,22 @@ class Session(GpuOps, UcxOps):
             if self.client is not None:
                 master.abort(replica.id)
             raise
-        self.server.metrics.bytes_in(meta.size)
+        self.metrics.bytes_in(meta.size)
         if f["defer"]:
             return self._ok(rid, put_id=replica.id)
         return self._committed(rid, master.commit(replica.id))
 
     async def op_commit(self, rid: int, f: dict) -> dict:
-        master = self.server.master
+        master = self.master
         replica = master.pending(f["put_id"])
         if replica.client != self.client:
             raise InvalidArgumentError(f"put {f['put_id']} belongs to another client")
         await self._landed([f["put_id"]])
-        self.server.metrics.bytes_in(replica.size)
+        self.metrics.bytes_in(replica.size)
         return self._committed(rid, master.commit(f["put_id"], f["checksum"]))
 
     async def op_commit_many(self, rid: int, f: dict) -> dict:
-        master = self.server.master
+        master = self.master
         for pid in f["put_ids"]:
             if master.pending(pid).client != self.client:
                 raise InvalidArgumentError(f"put {pid} belongs to another client")
@@ -276,14 +299,14 @@ class Session(GpuOps, UcxOps):
         return self._ok(rid, version=replica.meta.version, created=replica.meta.created)
 
     async def op_abort(self, rid: int, f: dict) -> dict:
-        if self.server.master.pending(f["put_id"]).client != self.client:
+        if self.master.pending(f["put_id"]).client != self.client:
             raise InvalidArgumentError(f"put {f['put_id']} belongs to another client")
         self._cancel_landing(f["put_id"])
-        self.server.master.abort(f["put_id"])
+        self.master.abort(f["put_id"])
         return self._ok(rid)
 
     async def op_get(self, rid: int, f: dict) -> dict | None:
-        master = self.server.master
+        master = self.master
         if f["mode"] == "region":
             self._require_shm()  # before the lease is taken
         lease = master.lease(f["key"], self.client)
@@ -296,7 +319,7 @@ class Session(GpuOps, UcxOps):
         if f["mode"] == "ucx" and replica.size > _INLINE_REPLY:
             return self._ucx_get_reply(rid, lease)
         try:
-            region = self.server.segments[replica.segment].view(replica.offset, replica.size)
+            region = self.segments[replica.segment].view(replica.offset, replica.size)
             await self._send(self._ok(rid, meta=replica.meta.to_wire(), stream=replica.size), region)
             region.release()
         finally:
@@ -305,40 +328,40 @@ class Session(GpuOps, UcxOps):
         return None
 
     async def op_release(self, rid: int, f: dict) -> dict:
-        self.server.master.release(f["lease"], client=self.client)
+        self.master.release(f["lease"], client=self.client)
         self._drop_staging(f["lease"])
         return self._ok(rid)
 
     async def op_lease(self, rid: int, f: dict) -> dict:
-        lease = self.server.master.lease(f["key"], self.client)
+        lease = self.master.lease(f["key"], self.client)
         return self._ok(rid, lease=lease.id, meta=lease.replica.meta.to_wire())
 
     async def op_exists(self, rid: int, f: dict) -> dict:
-        return self._ok(rid, value=self.server.master.exists(f["key"]))
+        return self._ok(rid, value=self.master.exists(f["key"]))
 
     async def op_batch_exists(self, rid: int, f: dict) -> dict:
-        return self._ok(rid, value=[self.server.master.exists(k) for k in f["keys"]])
+        return self._ok(rid, value=[self.master.exists(k) for k in f["keys"]])
 
     async def op_evict(self, rid: int, f: dict) -> dict:
-        return self._ok(rid, value=self.server.master.evict(f["key"]))
+        return self._ok(rid, value=self.master.evict(f["key"]))
 
     async def op_remove(self, rid: int, f: dict) -> dict:
-        return self._ok(rid, value=self.server.master.remove(f["key"]))
+        return self._ok(rid, value=self.master.remove(f["key"]))
 
     async def op_inspect(self, rid: int, f: dict) -> dict:
-        master = self.server.master
+        master = self.master
         replica = master.lookup(f["key"])
         return self._ok(rid, value={**describe_replica(replica, master.clock()), "tier": master.tier_of(replica).value})
 
     async def op_stats(self, rid: int, f: dict) -> dict:
-        return self._ok(rid, value=self.server.stats())
+        return self._ok(rid, value=self.ctx.stats())
 
     async def op_ls(self, rid: int, f: dict) -> dict:
-        keys = self.server.master.keys(f["prefix"])
+        keys = self.master.keys(f["prefix"])
         return self._ok(rid, value=keys[:f["limit"]], total=len(keys))
 
     async def op_wait(self, rid: int, f: dict) -> dict:
-        return self._ok(rid, value=await self.server.wait_for(f["keys"], f["timeout"]))
+        return self._ok(rid, value=await self.ctx.wait_for(f["keys"], f["timeout"]))
 
     def _require_shm(self) -> None:
         if self.transport not in ("shm", "cuda_ipc"):  # both map the daemon's shared memory

@@ -41,7 +41,8 @@ def start_ucx(endpoint: Endpoint, loop: asyncio.AbstractEventLoop) -> UcxDataSer
 
 
 class UcxOps:
-    """Session mixin. Expects ``server``, ``sock``, ``client``, ``transport``, ``client_host`` and ``_ok``."""
+    """Session mixin. Expects ``ctx``, ``master``, ``segments``, ``sock``, ``client``, ``transport``, ``client_host``
+    and ``_ok``."""
 
     data_peer: UcxPeer | None = None
     _landing: dict[int, tuple[int, asyncio.Future]] | None = None  # put id -> (tag, payload landed)
@@ -57,7 +58,7 @@ class UcxOps:
     async def op_ucx_connect(self, rid: int, f: dict) -> dict:
         ucx = self._ucx_server()
         self._close_data()
-        same_host = self.client_host == self.server.host_id
+        same_host = self.client_host == self.ctx.host_id
         via = f["via"] if f["via"] != "auto" else ("address" if same_host else "listener")
         if via == "address":
             self.data_peer = self._ucx(lambda: ucx.connect(f["address"], error_handling=not same_host))
@@ -75,10 +76,10 @@ class UcxOps:
         """The region is allocated: post the receive into it and tell the client which tag to send with."""
         try:
             peer = self._peer()
-            region = self.server.segments[replica.segment].view(replica.offset, replica.size)
+            region = self.segments[replica.segment].view(replica.offset, replica.size)
             tag, landed = self._ucx(lambda: peer.receive(region))
         except BaseException:
-            self.server.master.abort(replica.id)
+            self.master.abort(replica.id)
             raise
         if self._landing is None:
             self._landing = {}
@@ -90,7 +91,7 @@ class UcxOps:
         replica = lease.replica
         try:
             peer = self._peer()
-            region = self.server.segments[replica.segment].view(replica.offset, replica.size)
+            region = self.segments[replica.segment].view(replica.offset, replica.size)
             tag, sent = self._ucx(lambda: peer.send(region))
         except BaseException:
             self._release_quietly(lease.id)
@@ -110,7 +111,7 @@ class UcxOps:
             except (TransportFailure, asyncio.TimeoutError) as exc:
                 self._stop_receiving(tag, landed)
                 try:
-                    self.server.master.abort(put_id)
+                    self.master.abort(put_id)
                 except KVStoreError:
                     pass  # revoked meanwhile
                 reason = str(exc) or f"nothing arrived within {LANDING_TIMEOUT:g} s"
@@ -141,7 +142,7 @@ class UcxOps:
                 continue
             del self._landing[put_id]
             try:
-                self.server.master.abort(put_id)
+                self.master.abort(put_id)
             except KVStoreError:
                 pass  # already aborted or revoked
 
@@ -149,9 +150,9 @@ class UcxOps:
     def _ucx_server(self) -> UcxDataServer:
         if self.transport != "ucx":
             raise TransportError(f"ucx ops need the ucx transport; this connection uses {self.transport}")
-        if self.server.ucx is None:
+        if self.ctx.ucx is None:
             raise TransportError("this daemon serves no UCX endpoint (start it with --listen ucx://host:port)")
-        return self.server.ucx
+        return self.ctx.ucx
 
     def _peer(self) -> UcxPeer:
         self._ucx_server()
@@ -170,7 +171,7 @@ class UcxOps:
         if self.client is None:
             return  # the session closed: the master already released this client's leases
         try:
-            self.server.master.release(lease_id)
+            self.master.release(lease_id)
         except KVStoreError:
             pass
 

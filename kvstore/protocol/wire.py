@@ -140,6 +140,13 @@ def _opt_ints(value: Any, name: str) -> list[int | None]:
 Field = tuple[Callable[[Any, str], Any], bool, Any]  # validator, required, default
 
 _KEY: dict[str, Field] = {"key": (_key, True, None)}
+_PUT: dict[str, Field] = {  # a put's fields but the data path ("mode"), which cuda_put implies
+    "key": (_key, True, None), "size": (_int, True, None), "meta": (_map, True, None),
+    "if_absent": (_bool, False, False), "pin": (_bool, False, False), "checksum": (_opt_int, False, None),
+    "ephemeral": (_bool, False, False), "defer": (_bool, False, False)}
+_GET: dict[str, Field] = {"key": (_key, True, None), "mode": (_mode, True, None)}
+
+#: Every op any kvstore daemon accepts, with its fields: the whole protocol, declared once.
 SCHEMA: dict[str, dict[str, Field]] = {
     "hello": {"client": (_str, False, ""), "token": (_opt_str, False, None), "transport": (_str, False, "auto"),
               "host": (_str, False, ""), "pid": (_int, False, 0), "transports": (_names, False, [])},
@@ -150,7 +157,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "commit": {"put_id": (_int, True, None), "checksum": (_opt_int, False, None)},
     "commit_many": {"put_ids": (_ints, True, None), "checksums": (_opt_ints, True, None)},
     "abort": {"put_id": (_int, True, None)},
-    "get": {"key": (_key, True, None), "mode": (_mode, True, None)},
+    "get": dict(_GET),
     "release": {"lease": (_int, True, None)},
     "lease": dict(_KEY),
     "exists": dict(_KEY),
@@ -163,14 +170,14 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "wait": {"keys": (_keys, True, None), "timeout": (_seconds, True, None)},
     "ucx_connect": {"address": (_bin, True, None), "via": (_via, False, "auto")},
     "ucx_claim": {"conn": (_int, True, None)},
+    # the cuda_ipc data path (daemons holding GPU segments; see kvstore.transports.cuda_ipc)
+    "cuda_segments": {},
+    "cuda_put": dict(_PUT),
+    "cuda_get": dict(_KEY),
+    # what cluster members send each other (cluster daemons only; see kvstore.cluster.daemon)
+    "peer_get": dict(_GET),
+    "peer_evict": dict(_KEY),
 }
-
-
-def register_op(name: str, fields: dict[str, Field]) -> None:
-    """Add an op to the schema (used by extensions such as the cluster node); names must be new."""
-    if name in SCHEMA:
-        raise ValueError(f"op {name!r} is already defined")
-    SCHEMA[name] = fields
 
 
 def validate(message: dict) -> tuple[str, int, dict]:

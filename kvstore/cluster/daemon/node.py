@@ -31,17 +31,9 @@ from kvstore.cluster.peers import PeerPool
 from kvstore.core.master import Replica
 from kvstore.daemon.server import Server, ServerConfig
 from kvstore.errors import ObjectBusyError
-from kvstore.protocol import wire
 
 log = logging.getLogger("kvstore.cluster")
 WAIT_RECHECK_S = 1.0  # a waiter re-reads the directory this often, in case an event was lost
-
-
-def register_peer_ops() -> None:
-    """The member-local ops other nodes send (same fields as ``get`` / ``evict``)."""
-    for name, like in (("peer_get", "get"), ("peer_evict", "evict")):
-        if name not in wire.SCHEMA:
-            wire.register_op(name, dict(wire.SCHEMA[like]))
 
 
 class ClusterServer(Server):
@@ -49,7 +41,6 @@ class ClusterServer(Server):
 
     def __init__(self, config: ServerConfig, cluster: ClusterConfig):
         super().__init__(config)
-        register_peer_ops()
         self.cluster = cluster
         self.node_id = cluster.node_id
         self.owned: dict[str, Replica] = {}    # our published objects (what the directory lists for us)

@@ -26,14 +26,14 @@ from kvstore.core.meta import ObjectMeta
 from kvstore.errors import BufferTooSmallError, KeyNotFoundError, StoreConnectionError, TransportError
 
 if TYPE_CHECKING:
-    from kvstore.cluster.daemon.node import ClusterServer
+    from kvstore.cluster.daemon.context import ClusterContext
 
 log = logging.getLogger("kvstore.cluster")
 
 
 class RemoteReader:
-    def __init__(self, server: ClusterServer, peers: PeerPool, threads: int = 8):
-        self.server, self.peers = server, peers
+    def __init__(self, ctx: ClusterContext, peers: PeerPool, threads: int = 8):
+        self.ctx, self.peers = ctx, peers
         self.scratch: set[int] = set()  # replica ids of scratch copies (the master hooks skip them)
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-peer")
         self.gets = self.misses = 0
@@ -43,14 +43,14 @@ class RemoteReader:
         import redis
 
         try:
-            found = await self.server.directory.lookup(keys)
+            found = await self.ctx.directory.lookup(keys)
         except (redis.RedisError, OSError) as exc:
             log.warning("directory lookup failed: %s: %s", type(exc).__name__, exc)
             return None
         return {key: self._rank(entries) for key, entries in found.items()}
 
     def _rank(self, entries: list[Entry]) -> list[Entry]:
-        me, host = self.server.node_id, self.server.host_id
+        me, host = self.ctx.node_id, self.ctx.host_id
         usable = [e for e in entries if e.node != me and not self.peers.suspected(e.node, e.epoch)]
         random.shuffle(usable)  # spread reads over replicas
         return sorted(usable, key=lambda e: e.host != host)
@@ -61,7 +61,7 @@ class RemoteReader:
         KeyNotFoundError when no live node holds it, its owners are unreachable, or the directory is down."""
         found = await self.entries([key])
         if found is None:
-            raise KeyNotFoundError(f"key {key!r} is not on node {self.server.node_id} and the cluster directory "
+            raise KeyNotFoundError(f"key {key!r} is not on node {self.ctx.node_id} and the cluster directory "
                                    "is unreachable")
         problems = []
         for entry in found[key]:
@@ -79,12 +79,12 @@ class RemoteReader:
         import redis
 
         try:
-            await self.server.directory.forget(entry)
+            await self.ctx.directory.forget(entry)
         except (redis.RedisError, OSError):
             pass
 
     async def _fetch_from(self, entry: Entry, key: str, client: int) -> tuple[Lease, ObjectMeta]:
-        master, loop = self.server.master, asyncio.get_running_loop()
+        master, loop = self.ctx.master, asyncio.get_running_loop()
         scratch = master.register_client(f"fetch:{entry.node}")
         size, done = entry.size, False
         try:
@@ -92,7 +92,7 @@ class RemoteReader:
                 replica = master.begin_put(ObjectMeta(key=f"\x00fetch/{scratch}/{attempt}", size=size), scratch,
                                            ephemeral=True)
                 self.scratch.add(replica.id)
-                view = self.server.segments[replica.segment].view(replica.offset, size)
+                view = self.ctx.segments[replica.segment].view(replica.offset, size)
                 fut = loop.run_in_executor(self._threads, self._copy, entry, key, view)
                 try:
                     meta = await asyncio.shield(fut)

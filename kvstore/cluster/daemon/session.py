@@ -11,23 +11,26 @@ from typing import TYPE_CHECKING
 
 from kvstore.core.master import Lease
 from kvstore.core.meta import ObjectMeta
-from kvstore.daemon.session import _INLINE_REPLY, Session
+from kvstore.daemon.session import _INLINE_REPLY, Handler, Session
 from kvstore.errors import KeyExistsError, KeyNotFoundError, StoreConnectionError
 
 if TYPE_CHECKING:
-    from kvstore.cluster.daemon.node import ClusterServer
+    from kvstore.cluster.daemon.context import ClusterContext
 
 
 class ClusterSession(Session):
-    server: ClusterServer
+    ctx: ClusterContext
+
+    def handlers(self) -> dict[str, Handler]:
+        return {**super().handlers(), "peer_get": self.op_peer_get, "peer_evict": self.op_peer_evict}
 
     async def _dispatch(self, message: dict) -> None:
-        await self.server.ensure_fresh()
+        await self.ctx.ensure_fresh()
         await super()._dispatch(message)
 
     async def _synced(self, reply: dict | None) -> dict | None:
         """With ``directory_sync``, a commit is acknowledged once other nodes can find it."""
-        server = self.server
+        server = self.ctx
         if reply is not None and server.cluster.directory_sync and ("version" in reply or "versions" in reply):
             await server.publisher.synced(server.cluster.peer_timeout)
         return reply
@@ -35,8 +38,8 @@ class ClusterSession(Session):
     # ---- writes -------------------------------------------------------------------------------------
     async def op_put(self, rid: int, f: dict) -> dict:
         key = f["key"]
-        if f["if_absent"] and not self.server.local(key):
-            found = await self.server.remote.entries([key])
+        if f["if_absent"] and not self.ctx.local(key):
+            found = await self.ctx.remote.entries([key])
             if found and found.get(key):
                 raise KeyExistsError(f"key {key!r} already exists on node {found[key][0].node}")
         return await self._synced(await super().op_put(rid, f))
@@ -49,16 +52,16 @@ class ClusterSession(Session):
 
     # ---- reads --------------------------------------------------------------------------------------
     async def op_get(self, rid: int, f: dict) -> dict | None:
-        if self.server.local(f["key"]):
+        if self.ctx.local(f["key"]):
             return await super().op_get(rid, f)
         if f["mode"] == "region":
             self._require_shm()  # before moving any bytes
-        lease, meta = await self.server.remote.fetch(f["key"], self.client)
+        lease, meta = await self.ctx.remote.fetch(f["key"], self.client)
         return await self._serve_lease(rid, f["mode"], lease, meta)
 
     async def op_peer_get(self, rid: int, f: dict) -> dict | None:
-        if f["key"] in self.server.doomed:
-            raise KeyNotFoundError(f"key {f['key']!r} not found on node {self.server.node_id}")
+        if f["key"] in self.ctx.doomed:
+            raise KeyNotFoundError(f"key {f['key']!r} not found on node {self.ctx.node_id}")
         return await super().op_get(rid, f)
 
     async def _serve_lease(self, rid: int, mode: str, lease: Lease, meta: ObjectMeta) -> dict | None:
@@ -69,28 +72,28 @@ class ClusterSession(Session):
         if mode == "ucx" and meta.size > _INLINE_REPLY:
             return self._ucx_get_reply(rid, lease)  # the scratch replica carries the object's own meta
         try:
-            region = self.server.segments[replica.segment].view(replica.offset, meta.size)
+            region = self.segments[replica.segment].view(replica.offset, meta.size)
             await self._send(self._ok(rid, meta=meta.to_wire(), stream=meta.size), region)
             region.release()
         finally:
             if self.client is not None:
-                self.server.master.release(lease.id)
+                self.master.release(lease.id)
         return None
 
     async def op_cuda_get(self, rid: int, f: dict) -> dict:
         """A cuda_ipc client's get: another node's key arrives in a host scratch region it copies from."""
-        if self.server.local(f["key"]):
+        if self.ctx.local(f["key"]):
             return await super().op_cuda_get(rid, f)
         self._gpu()  # before any bytes move
-        lease, meta = await self.server.remote.fetch(f["key"], self.client)
+        lease, meta = await self.ctx.remote.fetch(f["key"], self.client)
         r = lease.replica
         return self._ok(rid, meta=meta.to_wire(), segment=r.segment, offset=r.offset, size=meta.size, lease=lease.id,
-                        tier=self.server.master.tier_of(r).value)
+                        tier=self.master.tier_of(r).value)
 
     async def op_lease(self, rid: int, f: dict) -> dict:
-        if self.server.local(f["key"]):
+        if self.ctx.local(f["key"]):
             return await super().op_lease(rid, f)
-        lease, meta = await self.server.remote.fetch(f["key"], self.client)
+        lease, meta = await self.ctx.remote.fetch(f["key"], self.client)
         return self._ok(rid, lease=lease.id, meta=meta.to_wire())
 
     async def op_exists(self, rid: int, f: dict) -> dict:
@@ -100,18 +103,18 @@ class ClusterSession(Session):
         return self._ok(rid, value=await self._exists(f["keys"]))
 
     async def _exists(self, keys: list[str]) -> list[bool]:
-        present = [self.server.local(k) for k in keys]
+        present = [self.ctx.local(k) for k in keys]
         missing = [k for k, ok in zip(keys, present, strict=True) if not ok]
         if missing:
-            found = await self.server.remote.entries(missing) or {}
+            found = await self.ctx.remote.entries(missing) or {}
             present = [ok or bool(found.get(k)) for k, ok in zip(keys, present, strict=True)]
         return present
 
     async def op_inspect(self, rid: int, f: dict) -> dict:
         key = f["key"]
-        if self.server.local(key):
+        if self.ctx.local(key):
             return await super().op_inspect(rid, f)
-        entries = (await self.server.remote.entries([key]) or {}).get(key)
+        entries = (await self.ctx.remote.entries([key]) or {}).get(key)
         if not entries:
             raise KeyNotFoundError(f"key {key!r} not found in the cluster")
         return self._ok(rid, value=_describe_remote(entries))
@@ -119,9 +122,9 @@ class ClusterSession(Session):
     async def op_ls(self, rid: int, f: dict) -> dict:
         import redis
 
-        keys = set(self.server.master.keys(f["prefix"])) - set(self.server.doomed)
+        keys = set(self.master.keys(f["prefix"])) - set(self.ctx.doomed)
         try:
-            keys.update(await self.server.directory.keys(f["prefix"], f["limit"]))
+            keys.update(await self.ctx.directory.keys(f["prefix"], f["limit"]))
         except (redis.RedisError, OSError):
             pass  # the directory is down: list what this node holds
         keys = sorted(keys)
@@ -133,7 +136,7 @@ class ClusterSession(Session):
         entries now, other nodes' copies when they see the removal event (theirs go when their leases end)."""
         import redis
 
-        key, server = f["key"], self.server
+        key, server = f["key"], self.ctx
         removed = server.master.remove(key) if server.local(key) else False
         try:
             counts = await server.remove_everywhere([key])
@@ -144,7 +147,7 @@ class ClusterSession(Session):
         return self._ok(rid, value=removed or counts[0] > 0)
 
     async def op_evict(self, rid: int, f: dict) -> dict:
-        key, server = f["key"], self.server
+        key, server = f["key"], self.ctx
         if server.local(key):
             return await super().op_evict(rid, f)
         evicted = False
@@ -153,7 +156,7 @@ class ClusterSession(Session):
         return self._ok(rid, value=evicted)
 
     async def op_peer_evict(self, rid: int, f: dict) -> dict:
-        if self.server.local(f["key"]):
+        if self.ctx.local(f["key"]):
             return await super().op_evict(rid, f)
         return self._ok(rid, value=False)
 

@@ -254,6 +254,9 @@ BAD_REQUESTS = {
     "region-over-tcp": ({"v": 1, "id": 7, "op": "get", "key": "sentinel/small", "mode": "region"}, "Transport",
                         ["shm"]),
     "key-none": ({"v": 1, "id": 7, "op": "evict", "key": None}, "InvalidKey", []),
+    # declared in the one schema, served by cluster members only
+    "cluster-op-on-a-single-daemon": ({"v": 1, "id": 7, "op": "peer_get", "key": "sentinel/small", "mode": "stream"},
+                                      "Protocol", ["peer_get", "not served"]),
 }
 
 

@@ -1,0 +1,56 @@
+"""ServerConfig: the options of ``kvstore serve``, checked once when the daemon is configured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidArgumentError
+from kvstore.protocol.url import Endpoint
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: tuple[str, ...] = ("unix:///tmp/kvstore.sock",)
+    capacity: int = 1 << 30
+    metrics_port: int | None = None
+    token: str | None = None
+    insecure: bool = False
+    high_watermark: float = 0.9
+    low_watermark: float = 0.8
+    heartbeat_timeout: float = 30.0
+    grace: float = 10.0
+    gpu_capacity: int = 0  # bytes of GPU segments (0: none)
+    device: int | None = None  # the CUDA device holding them (default 0)
+    endpoints: tuple[Endpoint, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            raise InvalidArgumentError("give at least one --listen address")
+        endpoints = tuple(Endpoint.parse(url) for url in self.listen)
+        if all(ep.scheme == "ucx" for ep in endpoints) or sum(ep.scheme == "ucx" for ep in endpoints) > 1:
+            raise InvalidArgumentError("ucx:// is a data endpoint: give one at most, next to a unix:// or tcp:// "
+                                       "--listen address for the control connection")
+        for ep in endpoints:
+            if not ep.is_loopback() and self.token is None and not self.insecure:
+                raise InvalidArgumentError(f"refusing to listen on non-loopback {ep} without a token "
+                                           "(--token-file) or --insecure")
+        if self.capacity <= 0:
+            raise InvalidArgumentError(f"capacity must be positive, got {self.capacity}")
+        self._check_gpu()
+        object.__setattr__(self, "endpoints", endpoints)
+
+    def _check_gpu(self) -> None:
+        if isinstance(self.gpu_capacity, bool) or not isinstance(self.gpu_capacity, int) or self.gpu_capacity < 0:
+            raise InvalidArgumentError(f"gpu capacity must be a size >= 0, got {self.gpu_capacity!r}")
+        if self.device is None:
+            return
+        if isinstance(self.device, bool) or not isinstance(self.device, int) or self.device < 0:
+            raise InvalidArgumentError(f"device must be a CUDA device number >= 0, got {self.device!r}")
+        if not self.gpu_capacity:
+            raise InvalidArgumentError(f"--device {self.device} picks the GPU of the GPU segments; give "
+                                       "--gpu-capacity too")
+
+    @property
+    def control_endpoints(self) -> tuple[Endpoint, ...]:
+        """The unix:// and tcp:// addresses (control connections); ucx:// is a data endpoint."""
+        return tuple(ep for ep in self.endpoints if ep.scheme != "ucx")
