@@ -18,6 +18,7 @@ import collections
 import functools
 import importlib
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ import torch
 
 from kvstore.layout import KVLayout, KVLayoutKind, dtype_name
 
-__all__ = ["packed_shape", "packed_nbytes", "gather_pages", "scatter_pages"]
+__all__ = ["packed_shape", "packed_nbytes", "packed_view", "gather_pages", "scatter_pages"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -45,6 +46,46 @@ def packed_nbytes(layout: KVLayout, num_blocks: int) -> int:
     return num_blocks * layout.block_nbytes
 
 
+def packed_view(buffer, layout: KVLayout, num_blocks: int | None = None) -> torch.Tensor:
+    """A packed tensor over ``buffer``'s bytes, without copying: any C-contiguous object of the buffer protocol
+    (a store's reserved or leased memory, a bytearray, a numpy array) reinterpreted as the layout's dtype and
+    ``packed_shape(layout, num_blocks)``. ``num_blocks`` defaults to what the buffer holds; the buffer must be
+    exactly ``packed_nbytes(layout, num_blocks)`` long. A read-only buffer gives a tensor that must not be
+    written (scatter reads it; gather refuses it)."""
+    _check_layout_type(layout)
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TypeError(f"expected a torch.Tensor or a buffer, got {type(buffer).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError("expected a C-contiguous buffer")
+    nbytes = view.nbytes
+    if num_blocks is None:
+        if layout.block_nbytes == 0 or nbytes % layout.block_nbytes:
+            raise ValueError(f"buffer of {nbytes} bytes is not a whole number of {layout.block_nbytes}-byte blocks")
+        num_blocks = nbytes // layout.block_nbytes
+    expected = packed_nbytes(layout, num_blocks)
+    if nbytes != expected:
+        raise ValueError(f"buffer: expected {expected} bytes for {num_blocks} blocks, got {nbytes}")
+    if nbytes == 0:
+        return torch.empty(packed_shape(layout, 0), dtype=layout.dtype)
+    flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")  # leased, read-only views
+        raw = torch.frombuffer(flat, dtype=torch.uint8)
+    return raw.view(layout.dtype).view(packed_shape(layout, num_blocks))
+
+
+def _as_packed(packed, layout: KVLayout, block_ids, writable: bool) -> torch.Tensor:
+    """``packed`` as given when it is a tensor; a buffer becomes a packed view over its bytes."""
+    if isinstance(packed, torch.Tensor) or isinstance(packed, (tuple, list)) or packed is None:
+        return packed  # tensors go as they are; the rest fails in _check_call with the usual message
+    if writable and memoryview(packed).readonly:
+        raise ValueError("out: expected a writable buffer, got a read-only one")
+    count = len(block_ids) if isinstance(block_ids, torch.Tensor) and block_ids.dim() == 1 else None
+    return packed_view(packed, layout, count)
+
+
 def gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor, *,
                  layout: KVLayout) -> torch.Tensor:
     """Copy blocks ``block_ids`` of every layer into ``out`` and return ``out``.
@@ -52,8 +93,10 @@ def gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out
     ``kv_caches``: one tensor per layer, each of shape ``layout.cache_shape(num_cache_blocks)`` (any strides);
     ``block_ids``: 1-D int32/int64 on the caches' device, each in ``[0, num_cache_blocks)`` (repeats allowed);
     ``out``: contiguous, ``packed_shape(layout, len(block_ids))``, the caches' dtype and device, not
-    overlapping any cache. Raises TypeError/ValueError before anything is copied.
+    overlapping any cache — or a writable buffer of exactly that many bytes (e.g. memory reserved in a store,
+    see :func:`packed_view`; CPU caches only). Raises TypeError/ValueError before anything is copied.
     """
+    out = _as_packed(out, layout, block_ids, writable=True)
     kv_caches = _check_call(layout, kv_caches, block_ids, out, "out")
     torch.ops.kvstore.gather_pages(kv_caches, block_ids, out, layout.kind.value)
     return out
@@ -65,8 +108,10 @@ def scatter_pages(src: torch.Tensor, block_ids: torch.Tensor, kv_caches: Sequenc
 
     Shapes as for :func:`gather_pages`, with ``src`` in the place of ``out``. ``block_ids`` must not repeat
     (two writes to one block would race), and the caches must be distinct, non-self-overlapping tensors that
-    do not overlap ``src``. Raises TypeError/ValueError before anything is copied.
+    do not overlap ``src``. ``src`` may also be a buffer (e.g. a store's leased zero-copy view; CPU caches
+    only). Raises TypeError/ValueError before anything is copied.
     """
+    src = _as_packed(src, layout, block_ids, writable=False)
     kv_caches = _check_call(layout, kv_caches, block_ids, src, "src")
     torch.ops.kvstore.scatter_pages(src, block_ids, kv_caches, layout.kind.value)
 
