@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvstore.planner.costmodel import CostModel, TransferModel
-from kvstore.planner.deployment import Arch
+from kvstore.planner.deployment import Arch, deployment_of
 from kvstore.planner.samples import StepSample, decode_samples, prefill_samples
 from kvstore.workloads.runlog import RunLog
 
@@ -189,7 +189,7 @@ def compare_run(run: RunLog, cost: CostModel, transfer: TransferModel | None,
     if per_run:
         fit = calibrate([run], cost)
         cost, transfer = fit.cost, fit.transfer or transfer
-    dep = run.deployment()
+    dep = deployment_of(run)
     if dep.arch is Arch.DISAGGREGATED and transfer is None:
         raise ValueError(f"{run.path}: a disaggregated run needs a transfer model (none could be fitted)")
     if run.kv_capacity_tokens:
