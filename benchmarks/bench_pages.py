@@ -99,12 +99,11 @@ def memcpy_fn(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], No
     return lambda dst, src: ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
 
 
-def kernel_only(kind: KVLayoutKind, caches, ids, packed, gather: bool) -> Callable[[], None]:
-    """The copy without the op's per-call validation (arguments validated once, here)."""
-    pages = ops._inspect(kind.value, caches, ids, packed, "out")
-    ptrs = [c.data_ptr() for c in caches]
-    checked = ops._checked_ids(ids, pages.num_cache_blocks, unique=not gather)
-    return lambda: ops._launch(pages, ptrs, checked, packed, gather)
+def kernel_only(layout: KVLayout, caches, ids, packed, gather: bool) -> Callable[[], None]:
+    """The copy without the op's per-call validation (arguments validated once, by ops.prepare_*)."""
+    if gather:
+        return ops.prepare_gather_pages(caches, ids, packed, layout=layout)
+    return ops.prepare_scatter_pages(packed, ids, caches, layout=layout)
 
 
 # -- one size --------------------------------------------------------------------------------------------------------
@@ -148,7 +147,7 @@ def bench_size(layout: KVLayout, caches, n: int, args, device: torch.device) -> 
     rows = []
     for op in args.ops:
         gather = op == "gather"
-        kernels = [kernel_only(layout.kind, caches, ids, buf, gather) for ids, buf in zip(id_sets, packed, strict=True)]
+        kernels = [kernel_only(layout, caches, ids, buf, gather) for ids, buf in zip(id_sets, packed, strict=True)]
         variants: dict[str, Callable[[int], object]] = {
             "op": (lambda i: ops.gather_pages(caches, id_sets[i], packed[i], layout=layout)) if gather else
                   (lambda i: ops.scatter_pages(packed[i], id_sets[i], caches, layout=layout)),
