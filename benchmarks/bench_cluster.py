@@ -25,7 +25,6 @@ import platform
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import time
 import numpy as np
 
 from kvstore.units import format_size, parse_size
+from kvstore.workloads.stats import percentiles
 
 BATCH = 32
 PHASES = ("put", "bput", "get", "bget")
@@ -211,8 +211,8 @@ def directory_latency(port: int, rds, samples: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-        times.sort()
-        out[name] = {"p50_us": 1e6 * statistics.median(times), "p99_us": 1e6 * times[int(0.99 * (len(times) - 1))]}
+        p50, p99 = percentiles(times, (50, 99))
+        out[name] = {"p50_us": 1e6 * p50, "p99_us": 1e6 * p99}
     return out
 
 

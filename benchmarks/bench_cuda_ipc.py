@@ -34,7 +34,7 @@ except ImportError:  # bench_transports imports this module to ask whether it ca
     torch = None
 
 import kvstore
-from benchmarks.baseline import Timing, measure
+from benchmarks.common.timing import Timing, measure
 from kvstore.gpu import runtime as gpu
 from kvstore.units import format_size, parse_size
 

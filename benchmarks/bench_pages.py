@@ -21,7 +21,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvstore import KVLayout, KVLayoutKind, ops
+from kvstore.workloads import stats
 
 DEFAULT_BLOCKS = {"cpu": "1,4,16,64,256", "cuda": "1,8,64,512,2048"}
 TARGETS = {"cpu": (0.8, 2.0), "cuda": (0.7, 3.0)}  # (x memcpy, x torch loop), for pages >= 16 KiB
@@ -37,13 +37,6 @@ MIN_TARGET_PAGE = 16 << 10
 
 
 # -- timing ------------------------------------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(rank), math.ceil(rank)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
-
-
 class Clock:
     """Times one call: wall clock on CPU, CUDA events (read at the end of a round) on a GPU."""
 
@@ -174,18 +167,18 @@ def bench_size(layout: KVLayout, caches, n: int, args, device: torch.device) -> 
 
 def make_row(op: str, n: int, layout: KVLayout, nbytes: int, samples, warmup: int, device) -> Row:
     timed = {name: values[warmup:] for name, values in samples.items()}
-    median = {name: statistics.median(values) for name, values in timed.items()}
+    median = {name: stats.median(values) for name, values in timed.items()}
     gbps = {name: nbytes / t / 1e9 for name, t in median.items()}
     # Ratios are medians of per-round ratios: the variants of one round ran back to back, under the same load.
-    vs_memcpy = statistics.median(m / o for m, o in zip(timed["memcpy"], timed["op"], strict=True))
-    vs_torch = statistics.median(t / o for t, o in zip(timed["torch"], timed["op"], strict=True))
+    vs_memcpy = stats.median([m / o for m, o in zip(timed["memcpy"], timed["op"], strict=True)])
+    vs_torch = stats.median([t / o for t, o in zip(timed["torch"], timed["op"], strict=True)])
     want_memcpy, want_torch = TARGETS[device.type]
     if layout.page_nbytes < MIN_TARGET_PAGE:
         verdict = "n/a"
     else:
         verdict = "yes" if vs_memcpy >= want_memcpy and vs_torch >= want_torch else "no"
     return Row(op=op, blocks=n, page_kib=layout.page_nbytes / 1024, mib=nbytes / (1 << 20), op_gbps=gbps["op"],
-               op_p50_us=median["op"] * 1e6, op_p99_us=percentile(timed["op"], 99) * 1e6,
+               op_p50_us=median["op"] * 1e6, op_p99_us=stats.percentile(timed["op"], 99) * 1e6,
                kernel_gbps=gbps["kernel"], memcpy_gbps=gbps["memcpy"], torch_gbps=gbps["torch"],
                vs_memcpy=vs_memcpy, vs_torch=vs_torch, meets_target=verdict)
 

@@ -26,7 +26,8 @@ import time
 import numpy as np
 
 import kvstore
-from benchmarks.baseline import RawSocket, Timing, measure, memcpy, prefaulted
+from benchmarks.baseline import RawSocket, memcpy, prefaulted
+from benchmarks.common.timing import Timing, measure
 from kvstore.units import format_size, parse_size
 
 DEFAULT_SIZES = "4KiB,64KiB,1MiB,16MiB,64MiB"

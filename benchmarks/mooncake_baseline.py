@@ -23,8 +23,9 @@ memcpy inside one process (its TCP-only auto-detection turns ``MC_STORE_MEMCPY``
 kvstore's embedded store.
 
 Everything started is stopped before ``measure`` returns, on error too (each child also gets
-``PR_SET_PDEATHSIG`` so it dies with the calling process). Statistics match ``benchmarks.baseline``:
-median and the ``int(0.99 * n)``-th sorted sample, GB/s = size / p50 / 1e9.
+``PR_SET_PDEATHSIG`` so it dies with the calling process). Statistics are ``benchmarks.common.timing``'s
+(median and p99 of ``kvstore.workloads.stats``, GB/s = size / p50 / 1e9), computed in this process from the
+client's raw times.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -341,7 +341,11 @@ def _measure_mode(master: str, sizes: list[int], mode: str, op_budget: float) ->
                 data = json.load(f)
         finally:
             procs.stop()
-    rows = [{"path": PATH_NAME[mode], **r} for r in data["rows"]]
+    # the client (a script, without the project on its path) reports raw times; statistics are made here
+    from benchmarks.common.timing import timing_of
+
+    rows = [{"path": PATH_NAME[mode], "op": r["op"], **timing_of(r["size"], r["times_s"]).as_dict()}
+            for r in data["rows"]]
     detail = {"master_argv": master_argv, "startup_s": round(startup_s, 2), "segment_bytes": segment,
               "mc_env": {k: v for k, v in _child_env().items() if k.startswith("MC_")},
               "client_setup_s": data.get("setup_s"), "loopback_bytes_per_get_into": data.get("lo_bytes")}
@@ -384,14 +388,6 @@ def _holder_main(cfg_path: str) -> int:
 
 def _iterations(size: int) -> int:
     return max(MIN_ITERS, min(MAX_ITERS, BUDGET_BYTES // size))
-
-
-def _stats(size: int, times: list[float]) -> dict:
-    times = sorted(times)
-    p50 = statistics.median(times)
-    p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
-    return {"size": size, "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
-            "gbps": size / p50 / 1e9 if p50 > 0 else float("inf"), "n": len(times)}
 
 
 def _timed(fn, n: int, warmup: int, budget_s: float) -> list[float]:
@@ -490,7 +486,7 @@ def _client_main(cfg_path: str) -> int:
                 times = _timed(fn, n, warmup, cfg["op_budget_s"])
                 if lo0 is not None and (lo1 := _lo_bytes()) is not None:
                     lo_bytes = (lo1 - lo0) // (warmup + len(times))
-                rows.append({"op": op, **_stats(size, times)})
+                rows.append({"op": op, "size": size, "times_s": times})
             if not np.array_equal(buf[biggest:biggest + size], value):
                 raise RuntimeError(f"get_into returned wrong bytes at size {size}")
             if bytes(store.get(key)) != value.tobytes():
