@@ -20,7 +20,6 @@ import ctypes
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +27,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from benchmarks.common import table
+from benchmarks.common.machine import machine
+from benchmarks.common.table import Column
 from kvstore import KVLayout, KVLayoutKind, ops
 from kvstore.workloads import stats
 
@@ -184,32 +186,24 @@ def make_row(op: str, n: int, layout: KVLayout, nbytes: int, samples, warmup: in
 
 
 # -- report ----------------------------------------------------------------------------------------------------------
-COLUMNS = [("op", "{:<7}"), ("blocks", "{:>6}"), ("page_kib", "{:>8.0f}"), ("mib", "{:>8.1f}"),
-           ("op_gbps", "{:>8.2f}"), ("op_p50_us", "{:>10.0f}"), ("op_p99_us", "{:>10.0f}"),
-           ("kernel_gbps", "{:>11.2f}"),
-           ("memcpy_gbps", "{:>11.2f}"), ("torch_gbps", "{:>10.2f}"), ("vs_memcpy", "{:>9.2f}"),
-           ("vs_torch", "{:>8.1f}"), ("meets_target", "{:>12}")]
+_SPECS = [("op", "<7"), ("blocks", ">6"), ("page_kib", ">8.0f"), ("mib", ">8.1f"), ("op_gbps", ">8.2f"),
+          ("op_p50_us", ">10.0f"), ("op_p99_us", ">10.0f"), ("kernel_gbps", ">11.2f"), ("memcpy_gbps", ">11.2f"),
+          ("torch_gbps", ">10.2f"), ("vs_memcpy", ">9.2f"), ("vs_torch", ">8.1f"), ("meets_target", ">12")]
 
 
 def format_table(rows: list[Row]) -> str:
-    header = " ".join(f"{name:>{len(fmt.format(getattr(rows[0], name)))}}" if rows else name
-                      for name, fmt in COLUMNS)
-    lines = [header, "-" * len(header)]
-    lines += [" ".join(fmt.format(getattr(row, name)) for name, fmt in COLUMNS) for row in rows]
-    return "\n".join(lines)
+    # headers are the field names, right-aligned over the width the first row's value takes
+    widths = {name: len(format(getattr(rows[0], name), spec)) if rows else len(name) for name, spec in _SPECS}
+    columns = [Column(name, spec, name, header_spec=f">{widths[name]}") for name, spec in _SPECS]
+    return table.format_table(columns, rows, rule=True)
 
 
 def describe_machine(device: torch.device) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB"
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} cores, kernel threads {torch.get_num_threads()}, memcpy 1 thread"
+    m = machine()
+    return f"{m['cpu']}, {m['logical_cpus']} cores, kernel threads {torch.get_num_threads()}, memcpy 1 thread"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -33,7 +33,7 @@ import numpy as np
 import kvstore
 from benchmarks.baseline import RawSocket, prefaulted
 from benchmarks.bench_store import daemon as store_daemon
-from benchmarks.bench_store import machine
+from benchmarks.common.machine import describe, machine
 from benchmarks.common.timing import Timing, timing_of
 from kvstore.units import format_size, parse_size
 
@@ -198,7 +198,7 @@ def run(sizes: list[int], wanted: list[str]) -> dict:
         from benchmarks import bench_cuda_ipc
 
         rows += bench_cuda_ipc.transport_rows(sizes)
-    return {"machine": machine(), "load_before": load_before, "load_after": os.getloadavg(),
+    return {"machine": describe(machine()), "load_before": load_before, "load_after": os.getloadavg(),
             "seconds": time.monotonic() - started, "ucx": ucx_info(ucx_reason), "rows": rows,
             "not_measured": skipped}
 

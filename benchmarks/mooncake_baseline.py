@@ -526,10 +526,12 @@ def print_table(result: dict) -> None:
     if not result["available"]:
         print(f"not measured: {result['reason']}")
         return
-    print(f"{'path':<15} {'op':<9} {'size':>7} {'p50 us':>10} {'p99 us':>10} {'GB/s':>7} {'n':>5}")
-    for r in result["rows"]:
-        print(f"{r['path']:<15} {r['op']:<9} {format_size(r['size']):>7} {r['p50_us']:>10.1f} "
-              f"{r['p99_us']:>10.1f} {r['gbps']:>7.2f} {r['n']:>5}")
+    from benchmarks.common.table import Column, format_table
+
+    print(format_table([Column("path", "<15", "path"), Column("op", "<9", "op"),
+                        Column("size", ">7", lambda r: format_size(r["size"])), Column("p50 us", ">10.1f", "p50_us"),
+                        Column("p99 us", ">10.1f", "p99_us"), Column("GB/s", ">7.2f", "gbps"),
+                        Column("n", ">5", "n")], result["rows"]))
     for mode, d in result.get("details", {}).items():
         print(f"# {mode}: startup {d['startup_s']} s, client setup {d['client_setup_s']} s, "
               f"loopback bytes per get_into of the largest size {d['loopback_bytes_per_get_into']}")
