@@ -266,7 +266,7 @@ def measure(sizes: list[int] | None = None, modes: tuple[str, ...] | list[str] =
             time_budget_s: float = TIME_BUDGET_S) -> dict:
     """Mooncake Store timings for each size and mode (``tcp``: client and segment in two processes;
     ``local``: one process). Never raises: ``available`` is False and ``reason`` says why when it
-    could not run. Rows have the keys of ``benchmarks.baseline.Timing.as_dict`` plus ``path``/``op``."""
+    could not run. Rows have the keys of ``benchmarks.common.timing.Timing.as_dict`` plus ``path``/``op``."""
     sizes = sorted(set(int(s) for s in (sizes or DEFAULT_SIZES)))
     t_start = time.monotonic()
     result: dict = {"available": False, "reason": None, "package": None, "rows": [], "modes": list(modes),
