@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
-import statistics
 import sys
 import time
 
@@ -27,7 +25,9 @@ import xxhash
 
 import kvstore
 from benchmarks.baseline import memcpy
-from benchmarks.bench_store import daemon, machine
+from benchmarks.common.daemon import Daemon
+from benchmarks.common.machine import describe, machine
+from benchmarks.common.timing import Timing, sample, timing_of
 from kvstore import KVLayout, KVLayoutKind, ops
 from kvstore.handoff import KVHandoff
 
@@ -39,16 +39,8 @@ LAYOUTS = {
 }
 
 
-def _timed(fn, n: int, warmup: int = 2) -> tuple[float, float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))]
+def _timed(fn, n: int, size: int, warmup: int = 2) -> Timing:
+    return timing_of(size, sample(fn, n, warmup))
 
 
 def _caches(layout: KVLayout, num_blocks: int, fill: bool) -> list[torch.Tensor]:
@@ -98,20 +90,19 @@ def bench_one(store: kvstore.KVStore, path: str, layout: KVLayout, name: str, bl
         handoff.fetch(rid, dst, dst_ids, timeout=30)
         if i >= 2:
             fetch_times.append(time.perf_counter() - t0)
-    fetch_times.sort()
-    fetch = statistics.median(fetch_times), fetch_times[min(len(fetch_times) - 1, int(0.99 * len(fetch_times)))]
+    fetch = timing_of(nbytes, fetch_times)
     ok = all(torch.equal(d[:, dst_ids] if layout.kind is not KVLayoutKind.MLA else d[dst_ids],
                          s[:, src_ids] if layout.kind is not KVLayoutKind.MLA else s[src_ids])
              for d, s in zip(dst[:2], src[:2], strict=True))
     if not ok:
         raise RuntimeError(f"{path} {name} {blocks}: fetched pages differ from the published ones")
-    rows = {"publish": _timed(publish, n), "fetch": fetch, "publish+fetch": _timed(pub_fetch, n)}
+    rows = {"publish": _timed(publish, n, nbytes), "fetch": fetch, "publish+fetch": _timed(pub_fetch, n, nbytes)}
     key = "bench/v1"
-    rows["copy path: publish"] = _timed(lambda: _v1_publish(store, layout, src, src_ids, key), n)
-    rows["copy path: fetch"] = _timed(lambda: _v1_fetch(store, layout, dst, dst_ids, key), n)
+    rows["copy path: publish"] = _timed(lambda: _v1_publish(store, layout, src, src_ids, key), n, nbytes)
+    rows["copy path: fetch"] = _timed(lambda: _v1_fetch(store, layout, dst, dst_ids, key), n, nbytes)
     store.remove(key)
-    return [{"path": path, "layout": name, "blocks": blocks, "bytes": nbytes, "op": op, "p50_ms": p50 * 1e3,
-             "p99_ms": p99 * 1e3, "gbps": nbytes / p50 / 1e9} for op, (p50, p99) in rows.items()]
+    return [{"path": path, "layout": name, "blocks": blocks, "bytes": nbytes, "op": op, "p50_ms": t.p50_s * 1e3,
+             "p99_ms": t.p99_s * 1e3, "gbps": t.gbps} for op, t in rows.items()]
 
 
 @contextlib.contextmanager
@@ -121,7 +112,8 @@ def _stores(kinds: list[str], capacity: str):
         if "embedded" in kinds:
             out["embedded"] = stack.enter_context(kvstore.KVStore.embedded(capacity=capacity))
         if any(k.startswith("daemon") for k in kinds):
-            unix_url, tcp_url = stack.enter_context(daemon(capacity))
+            d = stack.enter_context(Daemon(capacity=capacity, log_level="warning"))
+            unix_url, tcp_url = d.unix_url, d.tcp_url
             if "daemon-shm" in kinds:
                 out["daemon-shm"] = stack.enter_context(kvstore.connect(unix_url, transport="shm", timeout=60))
             if "daemon-tcp" in kinds:
@@ -149,8 +141,7 @@ def run(blocks: list[int], layouts: list[str], kinds: list[str], iters: int) -> 
                         row["memcpy_gbps"] = base["gbps"]
                         row["x_memcpy"] = base["p50_us"] / 1e3 / row["p50_ms"]
                         rows.append(row)
-    return {"machine": machine(), "python": platform.python_version(), "torch": torch.__version__,
-            "rows": rows, "baselines": baselines}
+    return {"machine": describe(machine()), "rows": rows, "baselines": baselines}
 
 
 def print_table(result: dict) -> None:

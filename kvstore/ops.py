@@ -19,14 +19,15 @@ import functools
 import importlib
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvstore.layout import KVLayout, KVLayoutKind, dtype_name
 
-__all__ = ["packed_shape", "packed_nbytes", "packed_view", "gather_pages", "scatter_pages"]
+__all__ = ["packed_shape", "packed_nbytes", "packed_view", "gather_pages", "scatter_pages", "prepare_gather_pages",
+           "prepare_scatter_pages"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -114,6 +115,59 @@ def scatter_pages(src: torch.Tensor, block_ids: torch.Tensor, kv_caches: Sequenc
     src = _as_packed(src, layout, block_ids, writable=False)
     kv_caches = _check_call(layout, kv_caches, block_ids, src, "src")
     torch.ops.kvstore.scatter_pages(src, block_ids, kv_caches, layout.kind.value)
+
+
+def prepare_gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor, *,
+                         layout: KVLayout) -> Callable[[], None]:
+    """Validate a :func:`gather_pages` call once and return a function that runs its copy again and again.
+
+    For callers that repeat one copy many times (benchmarks timing the kernel alone, an engine re-using a
+    fixed staging buffer). Arguments and errors as for :func:`gather_pages`, raised here, before any copy;
+    except that on CPU the block-id range (and, for scatter, repeats) is checked by the extension on every
+    call, so a bad id raises ValueError from the returned function, still before a byte is copied.
+    ``block_ids`` is copied now, so later changes to it do not reach the prepared call; the tensors must
+    stay allocated with the same shapes (the call keeps them alive). The returned function takes no
+    arguments, runs (CPU) or enqueues on the current stream (CUDA) one kernel, and returns None.
+    """
+    kv_caches = _check_call(layout, kv_caches, block_ids, out, "out")
+    return _prepare(layout.kind.value, kv_caches, block_ids, out, gather=True)
+
+
+def prepare_scatter_pages(src: torch.Tensor, block_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor], *,
+                          layout: KVLayout) -> Callable[[], None]:
+    """Validate a :func:`scatter_pages` call once and return a function that runs its copy again and again.
+
+    As :func:`prepare_gather_pages`, with the checks and errors of :func:`scatter_pages`."""
+    kv_caches = _check_call(layout, kv_caches, block_ids, src, "src")
+    return _prepare(layout.kind.value, kv_caches, block_ids, src, gather=False)
+
+
+def _prepare(layout_kind: str, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, packed: torch.Tensor,
+             gather: bool) -> Callable[[], None]:
+    """Every check the registered op makes, once; then a launch of the checked arguments."""
+    name = "out" if gather else "src"
+    pages = _inspect(layout_kind, kv_caches, block_ids, packed, name)
+    ids = _checked_ids(block_ids, pages.num_cache_blocks, unique=not gather).clone()
+    ptrs = [t.data_ptr() for t in kv_caches]
+    if not gather:
+        _check_writable_caches(kv_caches, ptrs)
+    _check_disjoint(packed, name, kv_caches, ptrs, ids, gather=gather)
+    return _PreparedCopy(tuple(kv_caches), pages, ptrs, ids, packed, gather)
+
+
+@dataclass(frozen=True, slots=True)
+class _PreparedCopy:
+    """A validated copy; holding the caches keeps ``ptrs`` valid for as long as the copy can be run."""
+
+    kv_caches: tuple[torch.Tensor, ...]
+    pages: _Pages
+    ptrs: list[int]
+    ids: torch.Tensor
+    packed: torch.Tensor
+    gather: bool
+
+    def __call__(self) -> None:
+        _launch(self.pages, self.ptrs, self.ids, self.packed, self.gather)
 
 
 # -- the registered ops --------------------------------------------------------------------------------------
