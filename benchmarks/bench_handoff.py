@@ -43,15 +43,17 @@ def _timed(fn, n: int, size: int, warmup: int = 2) -> Timing:
     return timing_of(size, sample(fn, n, warmup))
 
 
-def _caches(layout: KVLayout, num_blocks: int, fill: bool) -> list[torch.Tensor]:
+def _caches(layout: KVLayout, num_blocks: int, fill: bool, device: str) -> list[torch.Tensor]:
     shape = layout.cache_shape(num_blocks)
-    make = (lambda: torch.randn(shape).to(layout.dtype)) if fill else (lambda: torch.zeros(shape, dtype=layout.dtype))
-    return [make() for _ in range(layout.num_layers)]
+    if fill:
+        return [torch.randn(shape, device=device).to(layout.dtype) for _ in range(layout.num_layers)]
+    return [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
 
 
 def _v1_publish(store: kvstore.KVStore, layout: KVLayout, caches, ids: torch.Tensor, key: str) -> None:
-    packed = torch.empty(ops.packed_shape(layout, len(ids)), dtype=layout.dtype)
+    packed = torch.empty(ops.packed_shape(layout, len(ids)), dtype=layout.dtype, device=ids.device)
     ops.gather_pages(caches, ids, packed, layout=layout)
+    packed = packed.cpu()
     raw = memoryview(packed.view(torch.uint8).reshape(-1).numpy())
     xxhash.xxh3_64_intdigest(raw)
     store.batch_put([(key, raw)])
@@ -61,14 +63,15 @@ def _v1_fetch(store: kvstore.KVStore, layout: KVLayout, caches, ids: torch.Tenso
     packed = torch.empty(ops.packed_shape(layout, len(ids)), dtype=layout.dtype)
     store.batch_get_into([key], [packed])
     xxhash.xxh3_64_intdigest(memoryview(packed.view(torch.uint8).reshape(-1).numpy()))
-    ops.scatter_pages(packed, ids, caches, layout=layout)
+    ops.scatter_pages(packed.to(ids.device), ids, caches, layout=layout)
 
 
 def bench_one(store: kvstore.KVStore, path: str, layout: KVLayout, name: str, blocks: int, n: int,
               src, dst) -> list[dict]:
     gen = torch.Generator().manual_seed(blocks)
-    src_ids = torch.randperm(2 * blocks, generator=gen)[:blocks]
-    dst_ids = torch.randperm(2 * blocks, generator=gen)[:blocks]
+    device = src[0].device
+    src_ids = torch.randperm(2 * blocks, generator=gen)[:blocks].to(device)
+    dst_ids = torch.randperm(2 * blocks, generator=gen)[:blocks].to(device)
     handoff = KVHandoff(store, layout)
     nbytes = ops.packed_nbytes(layout, blocks)
     seq = iter(range(10**9))
@@ -121,14 +124,14 @@ def _stores(kinds: list[str], capacity: str):
         yield out
 
 
-def run(blocks: list[int], layouts: list[str], kinds: list[str], iters: int) -> dict:
+def run(blocks: list[int], layouts: list[str], kinds: list[str], iters: int, device: str = "cpu") -> dict:
     torch.set_num_threads(1)
     rows, baselines = [], {}
     biggest = max(blocks)
     for name in layouts:
         layout = KVLayout(**LAYOUTS[name])
         capacity = f"{max(64, 4 * ops.packed_nbytes(layout, biggest) >> 20)}MiB"
-        src, dst = _caches(layout, 2 * biggest, True), _caches(layout, 2 * biggest, False)
+        src, dst = _caches(layout, 2 * biggest, True, device), _caches(layout, 2 * biggest, False, device)
         for b in blocks:
             nbytes = ops.packed_nbytes(layout, b)
             baselines[f"{name}/{b}"] = memcpy(nbytes, n=max(5, iters)).as_dict()
@@ -189,13 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default="llama,mla", help="llama, mla (default %(default)s)")
     parser.add_argument("--paths", default="embedded,daemon-shm,daemon-tcp", help="default %(default)s")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations at most (default %(default)s)")
+    parser.add_argument("--device", default="cpu", help="where the caches live: cpu or cuda (default %(default)s)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG", help="also plot GB/s against size with the memcpy line")
     args = parser.parse_args(argv)
     unknown = set(args.layouts.split(",")) - set(LAYOUTS)
     if unknown:
         parser.error(f"unknown layouts {sorted(unknown)}; known: {sorted(LAYOUTS)}")
-    result = run([int(b) for b in args.blocks.split(",")], args.layouts.split(","), args.paths.split(","), args.iters)
+    result = run([int(b) for b in args.blocks.split(",")], args.layouts.split(","), args.paths.split(","), args.iters,
+                 args.device)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:
