@@ -156,7 +156,7 @@ class Connection:
         self._fill(sock, 4 + n)
         body = bytes(self._buf[self._start + 4:self._start + 4 + n])
         self._start += 4 + n
-        return wire.decode(body)
+        return wire.decode(body, wire.REPLY_LIMITS)
 
     def _read_into(self, sock: socket.socket, view: memoryview) -> None:
         take = min(len(view), self._end - self._start)

@@ -14,6 +14,7 @@ from kvstore.errors import InvalidArgumentError, InvalidKeyError
 SCHEMA_VERSION = 1
 MAX_KEY_BYTES = 1024
 MAX_USER_META_ITEMS = 64
+MAX_USER_META_STR = 16 << 10  # bytes of one str or bytes value (the daemon's decoder allows no more)
 VALUE_KINDS = ("bytes", "numpy", "torch")
 
 
@@ -63,7 +64,12 @@ def validate_user_meta(meta: object) -> dict:
 def _check_plain(value: object, where: str, depth: int = 0) -> None:
     if depth > 8:
         raise InvalidArgumentError(f"{where} is nested too deeply")
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+    if isinstance(value, (str, bytes)):
+        n = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else len(value)
+        if n > MAX_USER_META_STR:
+            raise InvalidArgumentError(f"{where} is {n} bytes, the maximum is {MAX_USER_META_STR}")
+        return
+    if value is None or isinstance(value, (bool, int, float)):
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):

@@ -207,7 +207,7 @@ def test_frame_over_the_maximum_closes_the_connection(raw, length):
 
 def test_frame_at_the_maximum_is_accepted(raw):
     c = raw()
-    filler = "x" * (wire.MAX_FRAME - 200)
+    filler = ["x" * 16000] * ((wire.MAX_FRAME - 200) // 16003)  # strs and lists within the decode limits
     message = {"v": 1, "id": 9, "op": "ping", "pad": filler}  # unknown field, but framing is fine
     body = msgpack.packb(message)
     assert len(body) <= wire.MAX_FRAME
@@ -215,6 +215,28 @@ def test_frame_at_the_maximum_is_accepted(raw):
     assert_error(c.reply(), "InvalidArgument", "pad", rid=9)
     assert_usable(c)
 
+
+
+def test_large_frame_before_hello_is_refused(raw):
+    """An unauthenticated peer may send small frames only: the daemon does not buffer a megabyte for it."""
+    c = raw(hello=False)
+    c.send(struct.pack("<I", wire.MAX_PREAUTH_FRAME + 1) + b"\x80" * 100)
+    reply = c.reply()
+    if reply != CLOSED:
+        assert_error(reply, "Protocol", str(wire.MAX_PREAUTH_FRAME), "authentication")
+        assert c.is_closed()
+    assert_usable(raw())
+
+
+def test_frame_of_a_million_empty_arrays_is_refused(raw):
+    """Bounded decode work: a frame that is nothing but containers gets a Protocol error, not 0.3 s of the loop."""
+    c = raw()
+    bomb = {"v": 1, "id": 9, "op": "ping", "pad": [[[]] * 4000 for _ in range(200)]}
+    c.send(raw_frame(bomb))
+    reply = c.reply()
+    if reply != CLOSED:
+        assert_error(reply, "Protocol", "arrays and maps")
+    assert_usable(raw())
 
 # ---- bad requests in good frames ------------------------------------------------------------------------
 BAD_REQUESTS = {
@@ -257,6 +279,7 @@ BAD_REQUESTS = {
     # declared in the one schema, served by cluster members only
     "cluster-op-on-a-single-daemon": ({"v": 1, "id": 7, "op": "peer_get", "key": "sentinel/small", "mode": "stream"},
                                       "Protocol", ["peer_get", "not served"]),
+    "mixed-field-names": ({"v": 1, "id": 7, "op": "ping", b"op": "ping", "z": 1}, "InvalidArgument", ["str"]),
 }
 
 
