@@ -97,9 +97,10 @@ class ProtocolError(KVStoreError):
 
 
 class AuthenticationError(KVStoreError, PermissionError):
-    """The daemon refused the connection's token.
+    """The daemon refused the connection's token, or the client refused a daemon run by another user.
 
-    Nothing was done. Retrying with the same token cannot help.
+    Nothing was done (no token or data was sent to a refused daemon). Retrying with the same token, or
+    against the same daemon, cannot help.
     """
 
     code = "Authentication"

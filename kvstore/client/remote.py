@@ -23,6 +23,7 @@ from kvstore.errors import InvalidArgumentError, KVStoreError, ObjectTooLargeErr
 from kvstore.memory.device import DeviceBuffer
 from kvstore.memory.index import IndexReader
 from kvstore.memory.shm import SharedMemory, SharedMemoryError
+from kvstore.protocol.credentials import env_token
 from kvstore.protocol.url import Endpoint, host_id
 from kvstore.transports.base import TransportFailure, TransportUnavailable
 from kvstore.transports.cuda_ipc import device_path
@@ -40,7 +41,7 @@ class RemoteStore(KVStore):
             raise InvalidArgumentError(f"{url} is a daemon's UCX data endpoint; connect to its unix:// or tcp:// "
                                        "address with transport='ucx'")
         self.timeout = timeout
-        self._token = token
+        self._token = token = token if token is not None else env_token()
         self._waiter: Connection | None = None  # wait() blocks on its own connection
         self._waiter_lock = threading.Lock()
         self._conn = Connection(self.endpoint, timeout)

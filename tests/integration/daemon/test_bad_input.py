@@ -124,7 +124,7 @@ def raw(served):
         c = RawClient(url or served.tcp_url)
         clients.append(c)
         if hello:
-            c.hello(**fields)
+            c.hello(**{**served.hello_auth(), **fields})
         return c
 
     yield make
@@ -419,9 +419,10 @@ def test_op_before_hello(raw):
                                          ({"transport": 5}, "InvalidArgument"),
                                          ({"pid": -3}, "InvalidArgument"),
                                          ({"client": ["x"]}, "InvalidArgument")])
-def test_bad_hello(raw, fields, code):
+def test_bad_hello(raw, served, fields, code):
     c = raw(hello=False)
-    reply = c.call({"op": "hello", "client": "raw", "transport": "tcp", "host": host_id(), **fields})
+    reply = c.call({"op": "hello", "client": "raw", "transport": "tcp", "host": host_id(), **served.hello_auth(),
+                    **fields})
     assert_error(reply, code)
 
 
@@ -500,7 +501,7 @@ def test_socket_and_segments_are_private(served):
 
 
 def run_refused_daemon(*listen: str) -> tuple[int, str, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--capacity", "4MiB",
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--capacity", "4MiB", "--insecure",
                              *[arg for url in listen for arg in ("--listen", url)]],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     out, _ = proc.communicate(timeout=30)

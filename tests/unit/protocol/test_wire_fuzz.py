@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from fuzz_frames import GOOD, GOOD_BODIES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,18 +20,6 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 
 FUZZ_SMALL = settings(FUZZ, max_examples=100)
 
-GOOD = [
-    {"v": 1, "id": 1, "op": "hello", "client": "c", "token": "t", "transport": "auto", "host": "h", "pid": 1,
-     "transports": ["shm", "tcp"]},
-    {"v": 1, "id": 2, "op": "put", "key": "k", "size": 3, "mode": "stream", "if_absent": False,
-     "meta": ObjectMeta(key="k", size=3, kind="numpy", dtype="<f4", shape=(3,)).to_wire()},
-    {"v": 1, "id": 3, "op": "get", "key": "k", "mode": "region"},
-    {"v": 1, "id": 4, "op": "commit_many", "put_ids": [1, 2], "checksums": [None, 5]},
-    {"v": 1, "id": 5, "op": "wait", "keys": ["a", "b"], "timeout": 1.5},
-    {"v": 1, "id": 6, "op": "ls", "prefix": "p", "limit": 10},
-    {"v": 1, "id": 7, "op": "ucx_connect", "address": b"\x01\x02", "via": "auto"},
-]
-GOOD_BODIES = [msgpack.packb(m, use_bin_type=True) for m in GOOD]
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=20),
                     st.binary(max_size=20))
