@@ -10,8 +10,8 @@ from kvstore.core.meta import ObjectMeta
 GOOD = [
     {"v": 1, "id": 1, "op": "hello", "client": "c", "token": "t", "transport": "auto", "host": "h", "pid": 1,
      "transports": ["shm", "tcp"]},
-    {"v": 1, "id": 2, "op": "put", "key": "k", "size": 3, "mode": "stream", "if_absent": False,
-     "meta": ObjectMeta(key="k", size=3, kind="numpy", dtype="<f4", shape=(3,)).to_wire()},
+    {"v": 1, "id": 2, "op": "put", "key": "k", "size": 12, "mode": "stream", "if_absent": False,
+     "meta": ObjectMeta(key="k", size=12, kind="numpy", dtype="<f4", shape=(3,)).to_wire()},
     {"v": 1, "id": 3, "op": "get", "key": "k", "mode": "region"},
     {"v": 1, "id": 4, "op": "commit_many", "put_ids": [1, 2], "checksums": [None, 5]},
     {"v": 1, "id": 5, "op": "wait", "keys": ["a", "b"], "timeout": 1.5},

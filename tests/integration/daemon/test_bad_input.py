@@ -308,7 +308,7 @@ def stream_put(c: RawClient, key, size, payload: bytes | None = None, **override
 
 @pytest.mark.parametrize("case", ["meta-key-mismatch", "meta-size-mismatch", "meta-not-map", "meta-bad-field",
                                   "if-absent-str", "empty-key", "bad-utf8-key", "long-key", "unknown-field",
-                                  "key-exists"])
+                                  "key-exists", "meta-object-dtype", "meta-shape-not-size", "meta-structured"])
 def test_bad_stream_put_payload_is_skipped(raw, served, case):
     """The request is refused, the payload that follows is skipped, and the connection stays usable."""
     c = raw()
@@ -325,6 +325,12 @@ def test_bad_stream_put_payload_is_skipped(raw, served, case):
         overrides["meta"] = [1, 2]
     elif case == "meta-bad-field":
         overrides["meta"] = {**put_meta(key, size), "shape": ["x"]}
+    elif case == "meta-object-dtype":  # a consumer's .numpy() would read pointers out of these bytes
+        overrides["meta"] = {**put_meta(key, size), "kind": "numpy", "dtype": "|O", "shape": [size // 8]}
+    elif case == "meta-shape-not-size":
+        overrides["meta"] = {**put_meta(key, size), "kind": "numpy", "dtype": "<f4", "shape": [size]}
+    elif case == "meta-structured":
+        overrides["meta"] = {**put_meta(key, size), "kind": "numpy", "dtype": "i4,i4", "shape": [size // 8]}
     elif case == "if-absent-str":
         overrides["if_absent"] = "yes"
     elif case == "empty-key":
