@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import unicodedata
 from collections.abc import Callable
 
 from kvstore.errors import KVStoreError
@@ -56,10 +57,24 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def printable(key: str) -> str:
+    """``key`` safe for a terminal: control and format characters (escape sequences, a newline that forges
+    another line, bidi overrides) and the backslash written as Python escapes; the rest as is."""
+    out = []
+    for ch in key:
+        if ch == "\\":
+            out.append("\\\\")
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp"):
+            out.append(ascii(ch)[1:-1])  # \n, \x1b, \u202e
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def _ls(args: argparse.Namespace) -> int:
     with _client(args) as store:
         for key in store.keys(args.prefix):
-            print(key)
+            print(printable(key))
     return 0
 
 
@@ -99,7 +114,7 @@ def _rm(args: argparse.Namespace) -> int:
     with _client(args) as store:
         removed = store.remove(args.key)
     if not removed:
-        print(f"{args.key}: not found", file=sys.stderr)
+        print(f"{printable(args.key)}: not found", file=sys.stderr)
         return 1
     return 0
 
