@@ -201,6 +201,15 @@ class ServerError(KVStoreError):
     code = "Server"
 
 
+class MissingExtraError(KVStoreError, ImportError):
+    """A feature needs an optional dependency that is not installed; the message names the extra.
+
+    Nothing was done. Retrying helps only after installing it (``pip install 'kvstore[EXTRA]'``).
+    """
+
+    code = "MissingExtra"
+
+
 def _all_error_classes() -> dict[str, type[KVStoreError]]:
     out: dict[str, type[KVStoreError]] = {}
     stack: list[type[KVStoreError]] = [KVStoreError]

@@ -215,3 +215,15 @@ def test_ls_escapes_control_characters_in_keys(daemon):
         finally:
             for key in keys:
                 s.remove(key)
+
+
+def test_serve_cluster_without_the_cluster_extra_names_the_extra(files):
+    """Without the redis client, --cluster says which extra to install (no ModuleNotFoundError traceback)."""
+    sock = os.path.join(files, "nocluster.sock")
+    code = ("import sys; sys.modules['redis'] = None\n"  # what an install without the extra looks like
+            "from kvstore.cli.main import main\n"
+            f"sys.exit(main(['serve', '--listen', 'unix://{sock}', '--cluster', 'redis://127.0.0.1:1/0']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=child_env())
+    assert proc.returncode == 2, proc.stderr
+    assert "kvstore[cluster]" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not os.path.exists(sock)
