@@ -104,8 +104,9 @@ class KVObject(np.ndarray):
     ``memoryview(obj)``), with ``.meta`` and ``.numpy()`` / ``.tensor()`` to get the value back with the
     dtype and shape it was put with.
 
-    A zero-copy object (``get(key, copy=False)``) views the store's memory and holds a lease until
-    ``release()``, the end of a ``with`` block, or garbage collection."""
+    A zero-copy object (``get(key, copy=False)`` on a transport that maps the store's memory; see
+    ``KVStore.get``) views that memory and holds a lease until ``release()``, the end of a ``with`` block, or
+    garbage collection."""
 
     meta: ObjectMeta
 
