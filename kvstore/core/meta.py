@@ -6,6 +6,7 @@ checksum recorded at commit, producer, creation time, TTL and the caller's own s
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -66,18 +67,22 @@ def check_plain_dtype(dtype: np.dtype) -> np.dtype:
     return dtype
 
 
+@functools.lru_cache(maxsize=256)  # a store sees a handful of dtypes; parsing one costs microseconds
+def _itemsize(kind: str, dtype: str) -> int:
+    if kind == "numpy":
+        return numpy_dtype(dtype).itemsize
+    if dtype in TORCH_ITEMSIZE:
+        return TORCH_ITEMSIZE[dtype]
+    raise InvalidArgumentError(f"field 'dtype' {dtype!r:.80} is not a torch dtype this store knows")
+
+
 def _check_value(kind: str, dtype: str | None, shape: tuple[int, ...] | None, size: int) -> None:
     """The dtype and shape rebuild exactly ``size`` bytes (a producer's metadata is not trusted)."""
     if kind == "bytes":
         return
     if dtype is None or shape is None:
         raise InvalidArgumentError(f"a {kind} value needs a dtype and a shape, got {dtype!r} and {shape!r}")
-    if kind == "numpy":
-        itemsize = numpy_dtype(dtype).itemsize
-    elif dtype in TORCH_ITEMSIZE:
-        itemsize = TORCH_ITEMSIZE[dtype]
-    else:
-        raise InvalidArgumentError(f"field 'dtype' {dtype!r:.80} is not a torch dtype this store knows")
+    itemsize = _itemsize(kind, dtype)
     if itemsize * math.prod(shape) != size:
         raise InvalidArgumentError(f"shape {shape} of {dtype} is {itemsize * math.prod(shape)} bytes, but the "
                                    f"object has {size}")

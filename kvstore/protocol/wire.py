@@ -80,10 +80,11 @@ def decode(body: bytes | memoryview, limits: DecodeLimits = REQUEST_LIMITS) -> d
             raise _TooManyContainers(f"more than {limits.containers} arrays and maps in one frame")
         return container
 
+    hooks = {} if limits.containers >= MAX_FRAME else {"list_hook": count, "object_hook": count}  # replies: none
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=limits.bin,
                                   max_str_len=limits.str, max_array_len=limits.array, max_map_len=limits.map,
-                                  max_ext_len=0, list_hook=count, object_hook=count)
+                                  max_ext_len=0, **hooks)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
     if not isinstance(message, dict):
