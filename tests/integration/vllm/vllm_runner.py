@@ -4,10 +4,10 @@ as ``conftest`` by other test modules, and a second one would shadow it."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -95,11 +95,14 @@ def load_run(path: str) -> Run:
 
 
 def segment_address(pid: int, segment: int) -> int:
-    """Where daemon ``pid`` maps its shared-memory segment ``segment`` (found even once its name is unlinked)."""
+    """Where daemon ``pid`` maps its shared-memory segment ``segment``: the mapping of the same file (inode) as
+    ``/dev/shm/kvstore-<pid>-<stem>-<segment>`` (the daemon maps it under the name it created it with)."""
+    names = glob.glob(f"/dev/shm/kvstore-{pid}-*-{segment}")
+    inodes = {os.stat(name).st_ino for name in names}
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split()
-            if len(parts) >= 6 and re.fullmatch(rf"/dev/shm/kvstore-{pid}-[0-9a-f]+-{segment}", parts[5]):
+            if len(parts) >= 6 and parts[5].startswith("/dev/shm/") and int(parts[4]) in inodes:
                 return int(parts[0].split("-")[0], 16)
     raise AssertionError(f"daemon {pid} maps no segment {segment}")
 
