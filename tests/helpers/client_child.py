@@ -10,6 +10,9 @@ Usage: client_child.py MODE URL TRANSPORT KEY [SIZE]
   view        hold a zero-copy ``store.get(KEY, copy=False)`` (a lease), print READY, hang
   put         put SIZE bytes of the key-derived pattern under KEY, print DONE, exit
   ephemeral   put SIZE bytes under KEY with ephemeral=True, print READY, hang
+  paused-put  hold a zero-copy view of KEY, then begin a region put of SIZE bytes under KEY + "/big"; in the
+              middle of the copy print READY and SIGSTOP itself; once continued, finish the copy (into space
+              the daemon may have revoked meanwhile), try to commit, print COMMIT and VIEW lines, then hang
 """
 
 from __future__ import annotations
@@ -53,6 +56,32 @@ def put_region(url: str, key: str, size: int) -> None:
     store.put(key, pattern(key, size))
 
 
+def paused_put(url: str, key: str, size: int) -> None:
+    import signal
+
+    import kvstore.transports.shm as shm
+
+    store = kvstore.connect(url, transport="shm")
+    view = store.get(key, copy=False)
+    expected = bytes(view)
+
+    def paused_copy(dst: memoryview, src: memoryview) -> None:
+        half = len(src) // 2
+        dst[:half] = src[:half]
+        print("READY", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # a debugger, a cgroup freeze, a long stall
+        dst[:] = src  # the whole copy lands after the thaw: what a live process's memcpy does
+
+    shm.copy = paused_copy
+    try:
+        store.put(key + "/big", pattern(key + "/big", size))
+        print("COMMIT ok", flush=True)
+    except kvstore.KVStoreError as exc:
+        print("COMMIT refused", type(exc).__name__, flush=True)
+    print("VIEW", "same" if bytes(view) == expected else "changed", flush=True)
+    hang()
+
+
 def put_stream(url: str, key: str, size: int) -> None:
     ep = Endpoint.parse(url)
     family = socket.AF_UNIX if ep.scheme == "unix" else socket.AF_INET
@@ -89,6 +118,8 @@ def main() -> None:
     size = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     if mode == "put-region":
         put_region(url, key, size)
+    elif mode == "paused-put":
+        paused_put(url, key, size)
     elif mode == "put-stream":
         put_stream(url, key, size)
     elif mode in ("lease", "view"):
