@@ -6,8 +6,8 @@ Every test also checks that the daemon keeps serving a well-behaved client.
 from __future__ import annotations
 
 import os
+import resource
 import socket
-import sys
 
 import pytest
 from client_child import pattern  # noqa: E402
@@ -120,32 +120,22 @@ def _can_hello(d: Daemon) -> bool:
 
 
 # ---- defect 4: out of file descriptors --------------------------------------------------------------------
-class LimitedDaemon(Daemon):
-    """A daemon run with RLIMIT_NOFILE lowered (prlimit is util-linux; this uses Python's resource module)."""
-
-    def command(self) -> list[str]:
-        wrapper = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)); "
-                   "sys.argv = ['kvstore'] + sys.argv[1:]; runpy.run_module('kvstore.cli', run_name='__main__')")
-        return [sys.executable, "-c", wrapper] + super().command()[3:]
-
-
-def test_accept_survives_running_out_of_descriptors(short_dir):
-    d = LimitedDaemon(short_dir, capacity="8MiB").start()
-    try:
-        flood = []
-        for _ in range(100):  # more than the daemon has descriptors for
-            try:
-                flood.append(_raw(d))
-            except OSError:
-                break
-        assert wait_until(lambda: "backing off" in d.log(), 10), d.log()
-        for s in flood:
-            s.close()
-        for transport in ("tcp", "shm"):  # both listeners serve again once descriptors free up
-            assert wait_until(lambda t=transport: _works(d, t), 20), d.log()
-        assert d.running()
-    finally:
-        d.stop()
+def test_accept_survives_running_out_of_descriptors(daemon_factory):
+    d = daemon_factory(capacity="8MiB")
+    limit = len(os.listdir(f"/proc/{d.pid}/fd")) + 16
+    resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (limit, limit))  # the daemon child's limit
+    flood = []
+    for _ in range(100):  # more than the daemon has descriptors for
+        try:
+            flood.append(_raw(d))
+        except OSError:
+            break
+    assert wait_until(lambda: len(os.listdir(f"/proc/{d.pid}/fd")) >= limit, 10)  # out of descriptors
+    for s in flood:
+        s.close()
+    for transport in ("tcp", "shm"):  # both listeners serve again once descriptors free up
+        assert wait_until(lambda t=transport: _works(d, t), 20), d.log()
+    assert d.running() and "backing off" in d.log()
 
 
 def _works(d: Daemon, transport: str) -> bool:
