@@ -68,6 +68,23 @@ def test_paused_client_corrupts_nothing_and_its_space_returns_when_it_exits(daem
         assert bytes(other.get("whole")) == pattern("whole", 56 * MiB)
 
 
+def test_view_of_a_disconnected_live_client_never_changes(daemon_factory, spawn):
+    """Revoked by a disconnect (its connection lost, its process alive): its zero-copy view keeps its bytes."""
+    d = daemon_factory(capacity="32MiB")
+    with d.connect("shm") as other:
+        other.put("held", pattern("held", CHUNK))
+        child = spawn("client_child.py", "view-dropped", d.unix_url, "shm", "held")
+        child.expect("READY")
+        assert wait_until(lambda: other.stats()["leases"] == 0, 10)  # revoked
+        assert other.remove("held")  # gone from the store, but its bytes stay where the view reads them
+        _fill(other, rounds=2)
+        child.proc.send_signal(signal.SIGUSR1)
+        assert child.expect("VIEW") == "VIEW same"
+        assert other.stats().get("quarantined_bytes") == CHUNK
+        child.kill()
+        assert wait_until(lambda: other.stats()["quarantined_bytes"] == 0, 10), other.stats()
+
+
 def test_quarantine_is_bounded_per_client(daemon_factory, spawn):
     """A client may hold (and so keep quarantined) at most --max-held-bytes, beyond its first object."""
     d = daemon_factory(capacity="64MiB", args=("--max-held-bytes", "8MiB"))
