@@ -14,7 +14,8 @@ Usage: client_child.py MODE URL TRANSPORT KEY [SIZE]
               stay alive: print READY; on each SIGUSR1 print VIEW same|changed
   paused-put  hold a zero-copy view of KEY, then begin a region put of SIZE bytes under KEY + "/big"; in the
               middle of the copy print READY and SIGSTOP itself; once continued, finish the copy (into space
-              the daemon may have revoked meanwhile), try to commit, print COMMIT and VIEW lines, then hang
+              the daemon may have revoked meanwhile), try to commit, print RESULT committed|refused
+              same|changed (the view), then hang
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def paused_put(url: str, key: str, size: int) -> None:
     shm.copy = paused_copy
     try:
         store.put(key + "/big", pattern(key + "/big", size))
-        print("COMMIT ok", flush=True)
-    except kvstore.KVStoreError as exc:
-        print("COMMIT refused", type(exc).__name__, flush=True)
-    print("VIEW", "same" if bytes(view) == expected else "changed", flush=True)
+        commit = "committed"
+    except kvstore.KVStoreError:
+        commit = "refused"
+    # one line: the parent's reader waits for lines one select() at a time
+    print("RESULT", commit, "same" if bytes(view) == expected else "changed", flush=True)
     hang()
 
 
