@@ -62,20 +62,20 @@ def put_region(url: str, key: str, size: int) -> None:
 def paused_put(url: str, key: str, size: int) -> None:
     import signal
 
-    import kvstore.transports.shm as shm
+    from kvstore.core.digest import Digest
 
     store = kvstore.connect(url, transport="shm")
     view = store.get(key, copy=False)
     expected = bytes(view)
 
-    def paused_copy(dst: memoryview, src: memoryview) -> None:
-        half = len(src) // 2
-        dst[:half] = src[:half]
+    def paused_copy(self: Digest, dst: memoryview) -> None:
+        half = len(dst) // 2
+        dst[:half] = self._view[:half]
         print("READY", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)  # a debugger, a cgroup freeze, a long stall
-        dst[:] = src  # the whole copy lands after the thaw: what a live process's memcpy does
+        dst[:] = self._view  # the whole copy lands after the thaw: what a live process's memcpy does
 
-    shm.copy = paused_copy
+    Digest.copy_into = paused_copy  # the real client path (shm: copy while hashing), paused mid-copy
     try:
         store.put(key + "/big", pattern(key + "/big", size))
         commit = "committed"
