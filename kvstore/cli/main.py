@@ -45,7 +45,7 @@ def _limit_options(args: argparse.Namespace) -> dict:
 
 
 def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("limits", "what one client or connection may hold (docs/security_daemon.md)")
+    g = p.add_argument_group("limits", "what one client or connection may hold (docs/security.md)")
     g.add_argument("--max-pending-bytes", metavar="SIZE",
                    help="uncommitted put bytes per client that may evict committed data; past it a put may only "
                         "use free space, else it is refused with QuotaExceededError (default: half the capacity)")

@@ -35,8 +35,17 @@ def _send(sock: socket.socket, rid: int, **msg) -> None:
 
 
 def _hello(sock: socket.socket, transport: str = "tcp") -> dict:
-    _send(sock, 1, op="hello", client="raw", transport=transport, host=host_id(), pid=os.getpid())
+    _send(sock, 1, op="hello", client="raw", transport=transport, host=host_id(), pid=os.getpid(), token=_token())
     return _reply(sock)
+
+
+def _token() -> str | None:
+    """The session's daemon token (the fixtures' daemons require it on tcp://)."""
+    path = os.environ.get("KVSTORE_TOKEN_FILE")
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
 
 
 def _reply(sock: socket.socket) -> dict:
