@@ -54,6 +54,18 @@ class ObjectTooLargeError(StoreFullError):
     code = "ObjectTooLarge"
 
 
+class QuotaExceededError(StoreFullError):
+    """A per-client limit of the daemon refused the request: its pending bytes (``--max-pending-bytes``, beyond
+    which a reservation may use free space but never evicts committed data), the segment bytes it holds in
+    pending puts and leases together (``--max-held-bytes``), or its lease count (``--max-leases``). The message
+    names the limit and the client's current use.
+
+    Rolled back: nothing was reserved or leased. Retrying helps once this client commits, aborts or releases.
+    """
+
+    code = "QuotaExceeded"
+
+
 class BufferTooSmallError(KVStoreError, ValueError):
     """``get_into`` was given a buffer smaller than the object; the message names both sizes.
 

@@ -27,12 +27,43 @@ def _serve(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, token=token, insecure=args.insecure,
                           high_watermark=args.high_watermark, low_watermark=args.low_watermark,
                           heartbeat_timeout=args.heartbeat_timeout, gpu_capacity=parse_size(args.gpu_capacity),
-                          device=args.device)
+                          device=args.device, **_limit_options(args))
     if args.cluster:
         from kvstore.cli.cluster import serve as serve_cluster
 
         return serve_cluster(args, config)
     return run(config)
+
+
+def _limit_options(args: argparse.Namespace) -> dict:
+    """The per-client limits, connection caps and deadlines of ``serve``, as ServerConfig fields."""
+    return {"max_pending_bytes": parse_size(args.max_pending_bytes) if args.max_pending_bytes else None,
+            "max_held_bytes": parse_size(args.max_held_bytes) if args.max_held_bytes else None,
+            "max_leases": args.max_leases, "max_connections": args.max_connections,
+            "max_connections_per_peer": args.max_connections_per_peer, "auth_timeout": args.auth_timeout,
+            "transfer_timeout": args.transfer_timeout}
+
+
+def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("limits", "what one client or connection may hold (docs/security.md)")
+    g.add_argument("--max-pending-bytes", metavar="SIZE",
+                   help="uncommitted put bytes per client that may evict committed data; past it a put may only "
+                        "use free space, else it is refused with QuotaExceededError (default: half the capacity)")
+    g.add_argument("--max-held-bytes", metavar="SIZE",
+                   help="segment bytes per client in pending puts and leases together (one object of any size "
+                        "is always allowed); also the most a paused, revoked same-host client can keep "
+                        "quarantined (default: three quarters of the capacity)")
+    g.add_argument("--max-leases", type=int, default=16384, metavar="N",
+                   help="leases one client may hold at once (default %(default)s)")
+    g.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="connections kept open in all; more are closed at accept (default %(default)s)")
+    g.add_argument("--max-connections-per-peer", type=int, default=256, metavar="N",
+                   help="connections kept open per peer: a Unix-socket user or a TCP address (default %(default)s)")
+    g.add_argument("--auth-timeout", type=float, default=5.0, metavar="S",
+                   help="close a connection that has not said hello within S seconds (default %(default)s)")
+    g.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S",
+                   help="cut a connection whose payload transfer (a stream put or get) moves no byte for S "
+                        "seconds, freeing its reservation or lease (default %(default)s)")
 
 
 def _client(args: argparse.Namespace):
@@ -168,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,
                    help="drop a client silent this many seconds (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_limit_arguments(p)
     from kvstore.cli.cluster import add_serve_arguments
 
     add_serve_arguments(p)

@@ -85,7 +85,9 @@ class RemoteStore(KVStore):
                 except BaseException:
                     self._data.close()
                     raise
-                self._index = IndexReader(self._index_shm.buf, self._data.region)
+                # trusted only while it shows this daemon's generation alive and heart-beating
+                self._index = IndexReader(self._index_shm.buf, self._data.region, hello.get("generation"),
+                                          stale_after=max(5.0, float(hello["heartbeat_s"])))
         except (TransportFailure, SharedMemoryError) as exc:
             self._conn.close()
             raise TransportError(str(exc)) from None
@@ -181,6 +183,8 @@ class RemoteStore(KVStore):
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
         if self._index is not None:
+            # no round trip, so check the daemon's life here: a dead daemon's index must never answer
+            self._conn.check_alive()
             hit = self._index.read_into(key, fit)
             if hit is not None:
                 return hit[0], hit[2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -60,6 +61,26 @@ class Connection:
     @property
     def closed(self) -> bool:
         return self._sock is None
+
+    def check_alive(self) -> None:
+        """Raise StoreConnectionError if the connection is closed or the daemon's end has gone (EOF or reset),
+        without a round trip: for the paths that read the daemon's shared memory without asking it."""
+        sock = self._sock
+        if sock is None:
+            raise StoreConnectionError(f"connection to {self.endpoint} is closed")
+        poller = select.poll()  # a socket with a timeout would wait in recv(): ask readiness without waiting
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
+            return  # nothing to read: the daemon's end is open
+        try:
+            if sock.recv(1, socket.MSG_PEEK):
+                return  # a reply another thread is about to read
+            gone: object = "the daemon closed the connection"
+        except OSError as exc:
+            gone = exc
+        with self._lock:
+            self._close_locked()
+        raise StoreConnectionError(f"lost connection to {self.endpoint}: {gone}")
 
     # ---- Channel ------------------------------------------------------------------------------------
     def call(self, request: dict, payload: memoryview | None = None,

@@ -2,7 +2,9 @@
 
 Key -> replica (segment, offset, length, state). Two-phase puts (PENDING -> COMPLETE), read leases, pins,
 TTLs, eviction between a high and a low watermark behind a small policy interface, and client liveness
-(a client that goes away loses its pending puts and its leases). Callers serialise access (the daemon runs
+(a client that goes away loses its pending puts and its leases; with ``quarantine`` their space stays taken
+until ``release_quarantine``, for a client whose process may still touch it), and per-client limits
+(:class:`~kvstore.core.quota.ClientQuota`). Callers serialise access (the daemon runs
 it on one event loop; the embedded store holds a lock).
 """
 
@@ -19,6 +21,7 @@ from typing import Protocol
 
 from kvstore.core.allocator import Allocator
 from kvstore.core.meta import ObjectMeta
+from kvstore.core.quota import ClientQuota
 from kvstore.errors import (
     InvalidArgumentError,
     KeyExistsError,
@@ -57,6 +60,7 @@ class Replica:
     ephemeral: bool = False  # removed when the client that put it goes away
     expires_at: float | None = None
     leases: int = 0
+    held: int = 0  # quarantine holds: a revoked client's process may still touch this space
     live: bool = False  # the key's visible version
     created: float = field(default_factory=time.monotonic)
 
@@ -140,14 +144,22 @@ class _Client:
     puts: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
     ephemeral: dict[str, int] = field(default_factory=dict)  # key -> replica id
+    pending_bytes: int = 0
+    leased: dict[int, int] = field(default_factory=dict)  # replica id -> leases on it
+    leased_bytes: int = 0  # reserved bytes of the distinct replicas in ``leased``
+
+    @property
+    def held_bytes(self) -> int:
+        return self.pending_bytes + self.leased_bytes
 
 
 class Master:
     def __init__(self, segment_sizes: list[int], *, high_watermark: float = 0.9, low_watermark: float = 0.8,
                  policy: EvictionPolicy | None = None, alignment: int = 64,
                  clock: Callable[[], float] = time.monotonic, listener: MasterListener | None = None,
-                 tiers: Sequence[Tier] | None = None):
-        """``tiers[i]`` is the memory kind of segment ``i`` (all host when omitted)."""
+                 tiers: Sequence[Tier] | None = None, quota: ClientQuota | None = None):
+        """``tiers[i]`` is the memory kind of segment ``i`` (all host when omitted); ``quota`` limits each client
+        (unlimited when omitted)."""
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(f"need 0 < low <= high <= 1, got low={low_watermark} high={high_watermark}")
         self.allocators = [Allocator(size, alignment) for size in segment_sizes]
@@ -164,6 +176,8 @@ class Master:
         self._pending: dict[int, Replica] = {}
         self._leases: dict[int, Lease] = {}
         self._clients: dict[int, _Client] = {}
+        self._quarantine: dict[int, list[Replica]] = {}  # revoked client -> replicas it may still touch
+        self.quota = quota or ClientQuota()
         self._expiry: list[tuple[float, int, str]] = []
         self._ids = itertools.count(1)
         self.evictions = 0
@@ -179,21 +193,52 @@ class Master:
         if client in self._clients:
             self._clients[client].last_seen = self.clock()
 
-    def drop_client(self, client: int) -> tuple[int, int]:
+    def drop_client(self, client: int, *, quarantine: bool = False) -> tuple[int, int]:
         """Revoke the client's pending puts, release its leases and remove its ephemeral objects;
-        returns (puts aborted, leases released)."""
+        returns (puts aborted, leases released). With ``quarantine`` (a client whose process is alive and maps
+        the segments) the space of those puts and leased objects is not handed out again until
+        ``release_quarantine(client)``: nothing can stop a live process's memcpy."""
         state = self._clients.pop(client, None)
         if state is None:
             return 0, 0
+        held: list[Replica] = []
         for put_id in list(state.puts):
-            self.abort(put_id)
+            if quarantine:
+                replica = self._take_pending(put_id)
+                replica.held += 1
+                held.append(replica)
+            else:
+                self.abort(put_id)
         for lease_id in list(state.leases):
+            if quarantine:
+                replica = self._leases[lease_id].replica
+                replica.held += 1
+                held.append(replica)
             self.release(lease_id)
+        if held:
+            self._quarantine.setdefault(client, []).extend(held)
         for key, rid in state.ephemeral.items():
             replica = self._live.get(key)
             if replica is not None and replica.id == rid:
                 self._unlink(replica)
         return len(state.puts), len(state.leases)
+
+    def release_quarantine(self, client: int) -> int:
+        """The revoked ``client``'s process is gone: free what it held. Returns the bytes freed."""
+        freed = 0
+        for replica in self._quarantine.pop(client, ()):
+            replica.held -= 1
+            if replica.held == 0 and replica.leases == 0 and not replica.live:
+                freed += replica.reserved
+                self._free(replica)
+        return freed
+
+    def is_quarantined(self, client: int) -> bool:
+        return client in self._quarantine
+
+    def quarantined_bytes(self) -> int:
+        unique = {r.id: r for held in self._quarantine.values() for r in held}
+        return sum(r.reserved for r in unique.values())
 
     def silent_clients(self, timeout: float) -> list[int]:
         now = self.clock()
@@ -213,13 +258,20 @@ class Master:
         if reserved > max(self.allocators[i].capacity for i in segments):
             where = "" if len(self._tier_segments) == 1 else f" ({tier.value} tier)"
             raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {capacity}{where}")
-        if self._used(segments) + reserved > self.high * capacity:
+        state = self._client(client)
+        self.quota.check_hold(state.name or str(client), state.held_bytes, reserved, "reservation")
+        may_evict = self.quota.may_evict_for(state.pending_bytes + reserved)
+        if may_evict and self._used(segments) + reserved > self.high * capacity:
             self._evict_until(int(self.low * capacity) - reserved, segments)
-        segment, offset = self._allocate(meta.size, segments)
+        found = self._allocate(meta.size, segments, evict=may_evict)
+        if found is None:
+            raise self.quota.refuse_eviction(state.name or str(client), state.pending_bytes, reserved)
+        segment, offset = found
         replica = Replica(next(self._ids), meta, segment, offset, self.allocators[segment].size_of(offset),
                           client, pinned=pin, if_absent=if_absent, ephemeral=ephemeral)
         self._pending[replica.id] = replica
-        self._client(client).puts.add(replica.id)
+        state.puts.add(replica.id)
+        state.pending_bytes += replica.reserved
         return replica
 
     def commit_many(self, put_ids: list[int], checksums: list[int | None]) -> list[Replica]:
@@ -282,11 +334,17 @@ class Master:
         return self._lookup_live(key) is not None
 
     def lease(self, key: str, client: int) -> Lease:
+        state = self._client(client)
+        self.quota.check_lease(state.name or str(client), len(state.leases))
         replica = self.lookup(key)
+        if replica.id not in state.leased:
+            self.quota.check_hold(state.name or str(client), state.held_bytes, replica.reserved, f"lease of {key!r}")
+            state.leased_bytes += replica.reserved
+        state.leased[replica.id] = state.leased.get(replica.id, 0) + 1
         lease = Lease(next(self._ids), replica, client)
         replica.leases += 1
         self._leases[lease.id] = lease
-        self._client(client).leases.add(lease.id)
+        state.leases.add(lease.id)
         return lease
 
     def release(self, lease_id: int, client: int | None = None) -> None:
@@ -295,15 +353,20 @@ class Master:
         if lease is None or (client is not None and lease.client != client):
             raise LeaseError(f"no lease {lease_id} held by this client (already released or revoked)")
         del self._leases[lease_id]
+        replica = lease.replica
         client = self._clients.get(lease.client)
         if client is not None:
             client.leases.discard(lease_id)
-        replica = lease.replica
+            left = client.leased.pop(replica.id) - 1
+            if left:
+                client.leased[replica.id] = left
+            else:
+                client.leased_bytes -= replica.reserved
         replica.leases -= 1
         if replica.leases == 0 and (not replica.live or self._expired(replica)):
             if replica.live:
                 self._unlink(replica)
-            else:
+            elif not replica.held:
                 self._free(replica)
 
     def keys(self, prefix: str = "") -> list[str]:
@@ -315,7 +378,7 @@ class Master:
         replica = self._lookup_live(key)
         if replica is None:
             return False
-        if replica.pinned or replica.leases:
+        if replica.pinned or replica.leases or replica.held:
             raise ObjectBusyError(f"key {key!r} is {'pinned' if replica.pinned else 'leased'}; not evicted")
         self._unlink(replica)
         self.evictions += 1
@@ -358,6 +421,8 @@ class Master:
             "capacity_bytes": self.capacity, "used_bytes": self.used_bytes, "objects": len(self._live),
             "pending": len(self._pending), "leases": len(self._leases), "evictions": self.evictions,
             "expirations": self.expirations, "clients": len(self._clients),
+            "quarantined_bytes": self.quarantined_bytes(), "quarantined_clients": len(self._quarantine),
+            "free_bytes": free, "largest_free_bytes": largest,
             "fragmentation": 0.0 if free == 0 else round(1.0 - largest / free, 6),
             "high_watermark": self.high, "low_watermark": self.low,
             "tiers": {t.value: {"capacity_bytes": sum(self.allocators[i].capacity for i in segs),
@@ -390,6 +455,7 @@ class Master:
         client = self._clients.get(replica.client)
         if client is not None:
             client.puts.discard(put_id)
+            client.pending_bytes -= replica.reserved
         return replica
 
     def _segments_of(self, tier: Tier) -> tuple[int, ...]:
@@ -402,17 +468,29 @@ class Master:
     def _used(self, segments: Sequence[int]) -> int:
         return sum(self.allocators[i].used_bytes for i in segments)
 
-    def _allocate(self, nbytes: int, segments: Sequence[int]) -> tuple[int, int]:
+    def _allocate(self, nbytes: int, segments: Sequence[int], *, evict: bool = True) -> tuple[int, int] | None:
+        """(segment, offset); without ``evict``, None when the free space does not fit."""
         while True:
             for segment in segments:
                 offset = self.allocators[segment].allocate(nbytes)
                 if offset is not None:
                     return segment, offset
+            if not evict:
+                return None
             if not self._evict_one(segments, room_for=nbytes):
-                stats = self.stats()
-                raise StoreFullError(
-                    f"no room for {nbytes} bytes: {stats['used_bytes']} of {self.capacity} used, "
-                    f"{stats['leases']} leases and {stats['pending']} pending puts hold the rest")
+                raise StoreFullError(self._full_message(nbytes, segments))
+
+    def _full_message(self, nbytes: int, segments: Sequence[int]) -> str:
+        allocators = [self.allocators[i] for i in segments]
+        free = sum(a.free_bytes for a in allocators)
+        largest = max(a.largest_free() for a in allocators)
+        pending = sum(r.reserved for r in self._pending.values() if r.segment in segments)
+        leased = sum(r.reserved for r in self._live.values() if r.leases and r.segment in segments)
+        pinned = sum(r.reserved for r in self._live.values() if r.pinned and r.segment in segments)
+        return (f"no room for {nbytes} bytes: {self._used(segments)} of {sum(a.capacity for a in allocators)} "
+                f"used; {free} free, largest free extent {largest} (fragmentation "
+                f"{0.0 if not free else 1 - largest / free:.2f}); nothing evictable fits: {leased} bytes leased, "
+                f"{pinned} pinned, {pending} in pending puts, {self.quarantined_bytes()} quarantined")
 
     def _evict_until(self, target_used: int, segments: Sequence[int]) -> None:
         while self._used(segments) > target_used and self._evict_one(segments):
@@ -434,7 +512,7 @@ class Master:
             if replica is None:
                 self.policy.discard(key)
                 continue
-            if replica.leases or replica.pinned or replica.segment not in segments:
+            if replica.leases or replica.held or replica.pinned or replica.segment not in segments:
                 continue
             if first is None:
                 first = replica
@@ -459,7 +537,7 @@ class Master:
                 del self._live[replica.key]
             self.policy.discard(replica.key)
             self.listener.unpublished(replica)
-        if replica.leases == 0:
+        if replica.leases == 0 and replica.held == 0:
             self._free(replica)
 
     def _free(self, replica: Replica) -> None:

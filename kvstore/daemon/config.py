@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvstore.core.quota import ClientQuota
+from kvstore.daemon.limits import Limits
 from kvstore.errors import InvalidArgumentError
 from kvstore.protocol.url import Endpoint, default_socket_url
 
@@ -21,6 +23,15 @@ class ServerConfig:
     grace: float = 10.0
     gpu_capacity: int = 0  # bytes of GPU segments (0: none)
     device: int | None = None  # the CUDA device holding them (default 0)
+    # per-client limits (kvstore.core.quota); None: a share of the capacity
+    max_pending_bytes: int | None = None  # default: half the capacity
+    max_held_bytes: int | None = None  # default: three quarters of the capacity
+    max_leases: int = 16384
+    # connections and deadlines (kvstore.daemon.limits)
+    max_connections: int = 1024
+    max_connections_per_peer: int = 256
+    auth_timeout: float = 5.0
+    transfer_timeout: float = 30.0
     endpoints: tuple[Endpoint, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -39,7 +50,21 @@ class ServerConfig:
         if self.capacity <= 0:
             raise InvalidArgumentError(f"capacity must be positive, got {self.capacity}")
         self._check_gpu()
+        try:
+            self.quota, self.limits  # noqa: B018 (validates them once, here)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
         object.__setattr__(self, "endpoints", endpoints)
+
+    @property
+    def quota(self) -> ClientQuota:
+        return ClientQuota(max_pending_bytes=self.max_pending_bytes or max(1, self.capacity // 2),
+                           max_held_bytes=self.max_held_bytes or max(1, self.capacity * 3 // 4),
+                           max_leases=self.max_leases)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.max_connections, self.max_connections_per_peer, self.auth_timeout, self.transfer_timeout)
 
     def _check_gpu(self) -> None:
         if isinstance(self.gpu_capacity, bool) or not isinstance(self.gpu_capacity, int) or self.gpu_capacity < 0:

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from kvstore.core.master import Master
     from kvstore.daemon.config import ServerConfig
     from kvstore.daemon.metrics import Metrics
+    from kvstore.daemon.quarantine import Quarantine
     from kvstore.gpu.memory import GpuMemory
     from kvstore.memory.segment import SegmentSet
 
@@ -21,9 +22,11 @@ class DaemonContext(Protocol):
     config: ServerConfig
     host_id: str
     pid: int
+    generation: int  # random per daemon start; its shared-memory index shows it to lock-free readers
     master: Master
     segments: SegmentSet
     metrics: Metrics
+    quarantine: Quarantine  # revokes clients; holds the space of live same-host ones until they exit
     gpu: GpuMemory | None  # with --gpu-capacity
     ucx: Any  # kvstore.transports.ucx_server.UcxDataServer while a --listen ucx:// endpoint runs
     draining: bool

@@ -5,6 +5,7 @@ graceful shutdown. One asyncio loop (uvloop when installed) owns the master, so 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -15,7 +16,9 @@ from os.path import dirname
 
 from kvstore.core.master import LRUPolicy, Master, Replica, Tier
 from kvstore.daemon.config import ServerConfig
+from kvstore.daemon.limits import ConnectionLimits
 from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.quarantine import Quarantine
 from kvstore.daemon.session import Session
 from kvstore.daemon.ucx_ops import start_ucx
 from kvstore.errors import InvalidArgumentError, TransportError
@@ -35,6 +38,8 @@ SERVED_TRANSPORTS = ("shm", "tcp")  # always served; "ucx" too while a --listen 
 SAME_HOST_PREFERENCE = ("cuda_ipc", "shm")
 REMOTE_PREFERENCE = ("ucx", "tcp")
 SAME_HOST_ONLY = ("shm", "cuda_ipc")  # they map the daemon's memory
+#: accept() errors that mean "out of descriptors or memory for now": back off and retry, never stop listening
+_ACCEPT_EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _SERVE_HINTS = {"ucx": " (start it with --listen ucx://host:port)", "cuda_ipc": " (start it with --gpu-capacity)"}
 
 
@@ -63,12 +68,15 @@ class Server:
     segments: SegmentSet
     index: shm_index.IndexWriter
     metrics: Metrics
+    quarantine: Quarantine
 
     def __init__(self, config: ServerConfig):
         self.config = config
         self.host_id = host_id()
         self.pid = os.getpid()
+        self.generation = int.from_bytes(os.urandom(8), "little") | 1  # this daemon's life, as its index shows it
         self.sessions: set[Session] = set()
+        self.connections = ConnectionLimits(config.limits)
         self.ucx = None  # kvstore.transports.ucx_server.UcxDataServer while a --listen ucx:// endpoint runs
         self.gpu: GpuMemory | None = None  # with --gpu-capacity
         self.waiters: dict[str, list[asyncio.Future]] = {}
@@ -134,6 +142,7 @@ class Server:
             self.gpu = None
         index_shm = getattr(self, "_index_shm", None)
         if index_shm is not None:
+            self.index.stop()  # clients that still map it stop reading it
             index_shm.unlink()
             index_shm.close()
         segments = getattr(self, "segments", None)
@@ -145,7 +154,7 @@ class Server:
         self.segments = SegmentSet([cfg.capacity])
         slots = shm_index.slots_for_capacity(cfg.capacity)
         self._index_shm = SharedMemory.create(f"{self.segments.stem}-index", shm_index.table_bytes(slots))
-        self.index = shm_index.IndexWriter(self._index_shm.buf, slots)
+        self.index = shm_index.IndexWriter(self._index_shm.buf, slots, generation=self.generation)
         sizes, tiers = [cfg.capacity], [Tier.HOST]
         if cfg.gpu_capacity:
             self.gpu = GpuMemory(cfg.device or 0, [cfg.gpu_capacity], first_id=len(sizes), host=self.segments)
@@ -154,7 +163,9 @@ class Server:
             log.info("GPU segments: %d bytes on GPU %d (%s); %d bytes of host segments page-locked",
                      cfg.gpu_capacity, self.gpu.device, self.gpu.bus_id, self.gpu.pinned_bytes)
         self.master = Master(sizes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
-                             policy=LRUPolicy(self.index.atime), listener=_Publisher(self), tiers=tiers)
+                             policy=LRUPolicy(self.index.atime), listener=_Publisher(self), tiers=tiers,
+                             quota=cfg.quota)
+        self.quarantine = Quarantine(self.master)
 
     def _bind(self, ep: Endpoint) -> socket.socket:
         if ep.scheme == "unix":
@@ -183,24 +194,52 @@ class Server:
         task.add_done_callback(self._tasks.discard)
 
     async def _accept(self, lsock: socket.socket, ep: Endpoint) -> None:
+        """Accept connections until the daemon drains. Out of descriptors (EMFILE/ENFILE) or memory, it logs,
+        backs off and retries: it recovers once descriptors free up, and never stops listening."""
         loop = asyncio.get_running_loop()
+        backoff = 0.0
         while not self.draining:
             try:
                 conn, addr = await loop.sock_accept(lsock)
-            except OSError:
+            except OSError as exc:
                 if self.draining:
                     return
-                raise
-            conn.setblocking(False)
-            tune(conn)
-            peer = f"{ep}" if ep.scheme == "unix" else f"tcp://{addr[0]}:{addr[1]}"
-            session = self.session_class(self, conn, peer)
-            self.sessions.add(session)
-            self._spawn(session.run())
+                if exc.errno in _ACCEPT_EXHAUSTED:
+                    if not backoff:
+                        log.warning("accept on %s failed: %s; backing off and retrying (%d sessions open)", ep,
+                                    exc, len(self.sessions))
+                    backoff = min(1.0, 2 * backoff or 0.05)
+                else:
+                    log.warning("accept on %s failed: %s; retrying", ep, exc)
+                    backoff = 0.05
+                await asyncio.sleep(backoff)
+                continue
+            if backoff:
+                log.info("accept on %s works again", ep)
+                backoff = 0.0
+            try:
+                self._admit(conn, addr, ep)
+            except Exception:  # a bug must not end the accept loop
+                log.exception("could not set up a connection on %s", ep)
+                conn.close()
+
+    def _admit(self, conn: socket.socket, addr, ep: Endpoint) -> None:
+        conn.setblocking(False)
+        tune(conn)
+        peer = f"{ep}" if ep.scheme == "unix" else f"tcp://{addr[0]}:{addr[1]}"
+        session = self.session_class(self, conn, peer)
+        if not self.connections.admit(session.peer_key, peer):
+            conn.close()
+            return
+        self.sessions.add(session)
+        self._spawn(session.run())
 
     async def _housekeeping(self) -> None:
         while not self.draining:
             await asyncio.sleep(0.5)
+            self.index.beat()
+            self.quarantine.poll()
+            self._cut_stalled_transfers()
             self.master.expire()
             silent = set(self.master.silent_clients(self.config.heartbeat_timeout))
             for session in list(self.sessions):
@@ -208,6 +247,16 @@ class Server:
                     log.warning("client %s silent for over %.0f s: dropping it", session.peer,
                                 self.config.heartbeat_timeout)
                     session.close()
+
+    def _cut_stalled_transfers(self) -> None:
+        now, limit = asyncio.get_running_loop().time(), self.config.transfer_timeout
+        for session in list(self.sessions):
+            stalled = session.stalled_for(now)
+            if stalled > limit:
+                log.warning("client %s: payload transfer made no progress for %.0f s (--transfer-timeout %g); "
+                            "cutting the connection, its reservation and lease go with it", session.peer, stalled,
+                            limit)
+                session.close()
 
     def request_stop(self) -> None:
         self._stopped.set()
@@ -228,6 +277,7 @@ class Server:
             await asyncio.sleep(0.01)
         for session in list(self.sessions):
             session.close()
+        self.quarantine.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -274,7 +324,9 @@ class Server:
         return requested
 
     def session_closed(self, session: Session) -> None:
-        self.sessions.discard(session)
+        if session in self.sessions:
+            self.sessions.discard(session)
+            self.connections.release(session.peer_key)
 
     def index_info(self) -> list:
         return [self._index_shm.name, self._index_shm.size]

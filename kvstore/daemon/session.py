@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from kvstore.core.master import describe_replica
 from kvstore.core.meta import ObjectMeta
 from kvstore.daemon.gpu_ops import GpuOps
+from kvstore.daemon.guards import PeerGone, SessionGuards
+from kvstore.daemon.quarantine import MAPS_MEMORY, PidWatch, peer_cred
 from kvstore.daemon.ucx_ops import UcxOps
 from kvstore.errors import (
     AuthenticationError,
@@ -47,7 +49,7 @@ class _Closed(Exception):
     """The peer went away (or framing broke): end the session."""
 
 
-class Session(GpuOps, UcxOps):
+class Session(GpuOps, UcxOps, SessionGuards):
     def __init__(self, ctx: DaemonContext, sock: socket.socket, peer: str):
         self.ctx, self.sock, self.peer = ctx, sock, peer
         self.master, self.segments, self.metrics = ctx.master, ctx.segments, ctx.metrics
@@ -57,10 +59,15 @@ class Session(GpuOps, UcxOps):
         self.name = ""
         self.transport = "none"
         self.client_host = ""
-        self._buf = bytearray(_BUFFER)
+        self._buf = bytearray(4 + wire.MAX_PREAUTH_FRAME)  # grows once authenticated
         self._start = self._end = 0
         self.busy = False
         self._unread_payload = False
+        self.cred = peer_cred(sock)  # Unix sockets: the peer's pid and uid, from the kernel
+        self.peer_key = f"uid:{self.cred.uid}" if self.cred is not None else peer.rsplit(":", 1)[0]
+        self._watch: PidWatch | None = None  # the client's process, once it authenticates on a mapping transport
+        self._task: asyncio.Task | None = None
+        self._closed = False
 
     # ---- framing ------------------------------------------------------------------------------------
     async def _fill(self, n: int) -> None:
@@ -103,11 +110,16 @@ class Session(GpuOps, UcxOps):
         view[:take] = self._buf[self._start:self._start + take]
         self._start += take
         got = take
-        while got < len(view):
-            n = await self.loop.sock_recv_into(self.sock, view[got:])
-            if n == 0:
-                raise _Closed(f"peer closed after {got} of {len(view)} payload bytes")
-            got += n
+        self.transfer_begins()
+        try:
+            while got < len(view):
+                n = await self.loop.sock_recv_into(self.sock, view[got:])
+                if n == 0:
+                    raise _Closed(f"peer closed after {got} of {len(view)} payload bytes")
+                got += n
+                self.transfer_moved()
+        finally:
+            self.transfer_ends()
 
     async def _skip(self, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
@@ -125,10 +137,12 @@ class Session(GpuOps, UcxOps):
                 payload = None
         await self.loop.sock_sendall(self.sock, frame)
         if payload is not None:
-            await self.loop.sock_sendall(self.sock, payload)
+            await self.send_payload(payload)
 
     # ---- loop ---------------------------------------------------------------------------------------
     async def run(self) -> None:
+        self._task = asyncio.current_task()
+        self.start_auth_deadline(self.ctx.config.auth_timeout)
         try:
             while not self.ctx.draining:
                 try:
@@ -147,18 +161,31 @@ class Session(GpuOps, UcxOps):
         except _Closed as exc:
             if str(exc):
                 log.warning("client %s: %s; closing connection", self.peer, exc)
+        except PeerGone as exc:
+            log.info("%s", exc)
         except (ConnectionError, OSError) as exc:
             log.info("client %s disconnected: %s", self.peer, exc)
         finally:
             self.close()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.cancel_auth_deadline()
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()  # first: the daemon's own stream copy stops before its space can be reused
         self._close_data()  # cancel UCX transfers into segment memory before their space is freed
         if self.client is not None:
-            puts, leases = self.master.drop_client(self.client)
+            puts, leases = self.ctx.quarantine.revoke(self.client, self._watch, self.transport in MAPS_MEMORY,
+                                                      self.peer)
+            self._watch = None
             if puts or leases:
                 log.info("client %s gone: revoked %d pending puts, released %d leases", self.peer, puts, leases)
             self.client = None
+        elif self._watch is not None:
+            self._watch.close()
+            self._watch = None
         self.ctx.session_closed(self)
         try:
             self.sock.close()
@@ -237,12 +264,18 @@ class Session(GpuOps, UcxOps):
         self.transport = server.choose_transport(f["transport"], f["host"], self.peer, f["transports"])
         self.client_host = f["host"]
         if self.client is None:
+            self.cancel_auth_deadline()
+            if self.transport in MAPS_MEMORY and self.cred is not None and self.cred.pid is not None:
+                self._watch = PidWatch(self.cred.pid)  # watched from now: a recycled pid is never mistaken for it
             self.client = server.master.register_client(f["client"])
+            if len(self._buf) < _BUFFER:  # authenticated: the full-size buffer
+                self._buf = self._buf[self._start:self._end] + bytearray(_BUFFER - (self._end - self._start))
+                self._start, self._end = 0, self._end - self._start
         self.name = f["client"] or self.peer
         return self._ok(rid, client_id=self.client, transport=self.transport, host=server.host_id,
                         segments=server.segments.describe(), index=server.index_info(),
                         capacity=server.master.capacity, max_frame=wire.MAX_FRAME,
-                        heartbeat_s=server.config.heartbeat_timeout, pid=server.pid,
+                        heartbeat_s=server.config.heartbeat_timeout, pid=server.pid, generation=server.generation,
                         transports=list(server.served_transports))
 
     async def op_ping(self, rid: int, f: dict) -> dict:
@@ -362,7 +395,8 @@ class Session(GpuOps, UcxOps):
         return self._ok(rid, value=keys[:f["limit"]], total=len(keys))
 
     async def op_wait(self, rid: int, f: dict) -> dict:
-        return self._ok(rid, value=await self.ctx.wait_for(f["keys"], f["timeout"]))
+        # watch the connection meanwhile: a client gone mid-wait frees its session at once
+        return self._ok(rid, value=await self.watching_peer(self.ctx.wait_for(f["keys"], f["timeout"])))
 
     def _require_shm(self) -> None:
         if self.transport not in ("shm", "cuda_ipc"):  # both map the daemon's shared memory

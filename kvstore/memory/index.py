@@ -6,7 +6,13 @@ changed the slot (replace, evict, remove, expiry) while the copy ran, the copy i
 (seqlock). Segments stay mapped, so a stale read can only retry, never crash. The daemon is the only
 writer; the index is an accelerator, never the truth: a miss or an unindexed object falls back to RPC.
 
-Layout: a 64-byte header, then ``slots`` slots of 96 bytes, open addressing with linear probing on the
+The daemon's life shows in the header: a generation (random per daemon start), an alive word (cleared at a
+clean stop) and a heartbeat (CLOCK_MONOTONIC ns, renewed every housekeeping round). A reader of another
+generation, of a stopped daemon or of one whose heartbeat is stale falls back to RPC, which fails the way every
+other call does; the client also checks its control connection (a SIGKILLed daemon's socket reads EOF).
+
+Layout: a 64-byte header (magic, layout, slots, table seq, generation, heartbeat, alive), then ``slots``
+slots of 96 bytes, open addressing with linear probing on the
 xxh3-128 of the key. Slot fields: seq (odd while being written), h1, h2, version, segment, state, offset,
 size, expires (CLOCK_MONOTONIC seconds, 0 = never), checksum, atime (written by readers), padding.
 Ordering relies on x86-64 TSO (stores and loads are not reordered with each other).
@@ -20,7 +26,10 @@ import time
 import xxhash
 
 MAGIC = 0x4B5653544F524931  # "KVSTORI1"
-HEADER = struct.Struct("<QIIQ40x")
+LAYOUT = 2
+HEADER = struct.Struct("<QIIQQQQ16x")
+LIFE = struct.Struct("<QQQ")  # generation, heartbeat ns, alive: after the table seq
+_LIFE_OFFSET = 24
 SLOT = struct.Struct("<QQQQIIQQdQQ16x")
 SEQ = struct.Struct("<Q")
 BODY = struct.Struct("<QQQIIQQdQ")  # h1 .. checksum, after seq
@@ -49,7 +58,7 @@ def slots_for_capacity(capacity: int) -> int:
 class IndexWriter:
     """Daemon side. ``buf`` is the writable view of the index mapping."""
 
-    def __init__(self, buf: memoryview, slots: int):
+    def __init__(self, buf: memoryview, slots: int, generation: int = 1):
         if slots & (slots - 1):
             raise ValueError(f"slot count must be a power of two, got {slots}")
         self.buf, self.slots, self.mask = buf, slots, slots - 1
@@ -57,8 +66,17 @@ class IndexWriter:
         self._state = bytearray(slots)
         self._tombstones = 0
         self._table_seq = 0
+        self.generation = generation
         buf[:table_bytes(slots)] = bytes(table_bytes(slots))
-        HEADER.pack_into(buf, 0, MAGIC, 1, slots, 0)
+        HEADER.pack_into(buf, 0, MAGIC, LAYOUT, slots, 0, generation, time.monotonic_ns(), 1)
+
+    def beat(self) -> None:
+        """The daemon is alive: renew the heartbeat readers check."""
+        LIFE.pack_into(self.buf, _LIFE_OFFSET, self.generation, time.monotonic_ns(), 1)
+
+    def stop(self) -> None:
+        """The daemon is stopping: readers that still map the index stop trusting it."""
+        LIFE.pack_into(self.buf, _LIFE_OFFSET, self.generation, 0, 0)
 
     def publish(self, key: str, version: int, segment: int, offset: int, size: int,
                 expires: float | None, checksum: int | None) -> bool:
@@ -112,8 +130,7 @@ class IndexWriter:
 
     def _rebuild(self) -> None:
         """Drop tombstones: re-place every live slot. Readers see an odd table seq meanwhile and fall back."""
-        self._table_seq += 1
-        HEADER.pack_into(self.buf, 0, MAGIC, 1, self.slots, self._table_seq)
+        self._set_table_seq(self._table_seq + 1)
         live = []
         for h, idx in self._where.items():
             base = HEADER.size + idx * SLOT.size
@@ -130,8 +147,11 @@ class IndexWriter:
             self._where[h] = idx
             self._state[idx] = LIVE
             self._write(idx, h, s[3], s[4], LIVE, s[6], s[7], s[8], s[9])
-        self._table_seq += 1
-        HEADER.pack_into(self.buf, 0, MAGIC, 1, self.slots, self._table_seq)
+        self._set_table_seq(self._table_seq + 1)
+
+    def _set_table_seq(self, seq: int) -> None:
+        self._table_seq = seq
+        SEQ.pack_into(self.buf, 16, seq)
 
 
 class IndexReader:
@@ -142,11 +162,20 @@ class IndexReader:
     MAX_PROBES = 64
     MAX_RETRIES = 8
 
-    def __init__(self, buf: memoryview, region):
-        magic, _layout, slots, _seq = HEADER.unpack_from(buf, 0)
-        if magic != MAGIC:
-            raise ValueError("not a kvstore index mapping")
+    def __init__(self, buf: memoryview, region, generation: int | None = None, stale_after: float = 30.0):
+        """``generation``: the daemon's, as its hello said (None: whatever the index shows now);
+        ``stale_after``: seconds without a daemon heartbeat after which the index is not trusted."""
+        magic, layout, slots, _seq, gen, _beat, _alive = HEADER.unpack_from(buf, 0)
+        if magic != MAGIC or layout != LAYOUT:
+            raise ValueError("not a kvstore index mapping (or one of another layout)")
         self.buf, self.slots, self.mask, self._region = buf, slots, slots - 1, region
+        self.generation = gen if generation is None else generation
+        self._stale_ns = int(stale_after * 1e9)
+
+    def trusted(self) -> bool:
+        """Whether the daemon that writes this index is the expected one, alive, and heart-beating."""
+        generation, beat, alive = LIFE.unpack_from(self.buf, _LIFE_OFFSET)
+        return alive == 1 and generation == self.generation and time.monotonic_ns() - beat <= self._stale_ns
 
     def find(self, key: str) -> tuple[int, tuple] | None:
         """(slot base, slot fields) of the key's live slot as seen now, or None."""
@@ -171,6 +200,8 @@ class IndexReader:
 
         ``out`` is called with the object's size and returns a writable byte view (it may raise, e.g.
         BufferTooSmallError, before anything is written)."""
+        if not self.trusted():
+            return None
         for _ in range(self.MAX_RETRIES):
             table_seq = HEADER.unpack_from(self.buf, 0)[3]
             if table_seq & 1:

@@ -10,6 +10,12 @@ Usage: client_child.py MODE URL TRANSPORT KEY [SIZE]
   view        hold a zero-copy ``store.get(KEY, copy=False)`` (a lease), print READY, hang
   put         put SIZE bytes of the key-derived pattern under KEY, print DONE, exit
   ephemeral   put SIZE bytes under KEY with ephemeral=True, print READY, hang
+  view-dropped  hold a zero-copy view of KEY, then lose the control connection (as a timed-out call does) and
+              stay alive: print READY; on each SIGUSR1 print VIEW same|changed
+  paused-put  hold a zero-copy view of KEY, then begin a region put of SIZE bytes under KEY + "/big"; in the
+              middle of the copy print READY and SIGSTOP itself; once continued, finish the copy (into space
+              the daemon may have revoked meanwhile), try to commit, print RESULT committed|refused
+              same|changed (the view), then hang
 """
 
 from __future__ import annotations
@@ -53,6 +59,46 @@ def put_region(url: str, key: str, size: int) -> None:
     store.put(key, pattern(key, size))
 
 
+def paused_put(url: str, key: str, size: int) -> None:
+    import signal
+
+    from kvstore.core.digest import Digest
+
+    store = kvstore.connect(url, transport="shm")
+    view = store.get(key, copy=False)
+    expected = bytes(view)
+
+    def paused_copy(self: Digest, dst: memoryview) -> None:
+        half = len(dst) // 2
+        dst[:half] = self._view[:half]
+        print("READY", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # a debugger, a cgroup freeze, a long stall
+        dst[:] = self._view  # the whole copy lands after the thaw: what a live process's memcpy does
+
+    Digest.copy_into = paused_copy  # the real client path (shm: copy while hashing), paused mid-copy
+    try:
+        store.put(key + "/big", pattern(key + "/big", size))
+        commit = "committed"
+    except kvstore.KVStoreError:
+        commit = "refused"
+    # one line: the parent's reader waits for lines one select() at a time
+    print("RESULT", commit, "same" if bytes(view) == expected else "changed", flush=True)
+    hang()
+
+
+def view_dropped(url: str, key: str) -> None:
+    store = kvstore.connect(url, transport="shm")
+    view = store.get(key, copy=False)
+    expected = bytes(view)
+    import signal
+
+    store._conn.close()  # the daemon sees a disconnect; this process and its mapping of the segment live on
+    signal.signal(signal.SIGUSR1, lambda *_: print("VIEW", "same" if bytes(view) == expected else "changed",
+                                                   flush=True))
+    print("READY", flush=True)
+    hang()
+
+
 def put_stream(url: str, key: str, size: int) -> None:
     ep = Endpoint.parse(url)
     family = socket.AF_UNIX if ep.scheme == "unix" else socket.AF_INET
@@ -89,6 +135,10 @@ def main() -> None:
     size = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     if mode == "put-region":
         put_region(url, key, size)
+    elif mode == "view-dropped":
+        view_dropped(url, key)
+    elif mode == "paused-put":
+        paused_put(url, key, size)
     elif mode == "put-stream":
         put_stream(url, key, size)
     elif mode in ("lease", "view"):

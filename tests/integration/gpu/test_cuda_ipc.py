@@ -414,8 +414,9 @@ def test_fake_gpu_version_replaces_an_indexed_host_version(fake_daemon):
 
 
 def test_fake_writer_gone_before_commit_leaves_nothing(fake_daemon):
-    """A cuda_put reserves GPU space that only a commit makes visible; the connection ending first frees it.
-    The cuda ops are refused on a connection that is not cuda_ipc."""
+    """A cuda_put reserves GPU space that only a commit makes visible; the connection ending first revokes it.
+    The writer's process (this one) lives on and maps that memory, so the space stays quarantined until it
+    exits (issue 11, defect 1). The cuda ops are refused on a connection that is not cuda_ipc."""
     from kvstore.client.rpc import Connection
     from kvstore.protocol.url import Endpoint, host_id
 
@@ -436,7 +437,8 @@ def test_fake_writer_gone_before_commit_leaves_nothing(fake_daemon):
         conn.close()  # gone without committing
         assert wait_until(lambda: watcher.stats()["pending"] == 0, 5.0)
         stats = watcher.stats()
-        assert stats["tiers"]["gpu"]["used_bytes"] == 0 and not watcher.exists("half")
+        assert not watcher.exists("half")
+        assert stats["tiers"]["gpu"]["used_bytes"] == MiB and stats["quarantined_bytes"] == MiB, stats
 
 
 def test_fake_inspect_cli_shows_tier_and_path(fake_daemon):
