@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgumentError
+from kvstore.memory.disk import DiskConfig
 from kvstore.protocol.url import Endpoint, default_socket_url
 
 
@@ -21,6 +22,7 @@ class ServerConfig:
     grace: float = 10.0
     gpu_capacity: int = 0  # bytes of GPU segments (0: none)
     device: int | None = None  # the CUDA device holding them (default 0)
+    disk: DiskConfig | None = None  # the disk tier (--disk-path, --disk-capacity, --disk-policy)
     endpoints: tuple[Endpoint, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:

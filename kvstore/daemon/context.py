@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from kvstore.core.master import Master
     from kvstore.daemon.config import ServerConfig
+    from kvstore.daemon.disk_io import DiskService
     from kvstore.daemon.metrics import Metrics
     from kvstore.gpu.memory import GpuMemory
     from kvstore.memory.segment import SegmentSet
@@ -25,6 +26,7 @@ class DaemonContext(Protocol):
     segments: SegmentSet
     metrics: Metrics
     gpu: GpuMemory | None  # with --gpu-capacity
+    disk: DiskService | None  # with --disk-path
     ucx: Any  # kvstore.transports.ucx_server.UcxDataServer while a --listen ucx:// endpoint runs
     draining: bool
 

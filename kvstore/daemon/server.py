@@ -15,6 +15,7 @@ from os.path import dirname
 
 from kvstore.core.master import LRUPolicy, Master, Replica, Tier
 from kvstore.daemon.config import ServerConfig
+from kvstore.daemon.disk_io import DiskService
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.session import Session
 from kvstore.daemon.ucx_ops import start_ucx
@@ -71,6 +72,7 @@ class Server:
         self.sessions: set[Session] = set()
         self.ucx = None  # kvstore.transports.ucx_server.UcxDataServer while a --listen ucx:// endpoint runs
         self.gpu: GpuMemory | None = None  # with --gpu-capacity
+        self.disk: DiskService | None = None  # with --disk-path
         self.waiters: dict[str, list[asyncio.Future]] = {}
         self.draining = False
         self._listeners: list[socket.socket] = []
@@ -132,6 +134,9 @@ class Server:
         if self.gpu is not None:  # waits for staging copies and unpins the host segments before they go
             self.gpu.close()
             self.gpu = None
+        if self.disk is not None:  # its queued writes copy from their own staging buffers, not segments
+            self.disk.close(self.config.grace)
+            self.disk = None
         index_shm = getattr(self, "_index_shm", None)
         if index_shm is not None:
             index_shm.unlink()
@@ -153,8 +158,13 @@ class Server:
             tiers.append(Tier.GPU)
             log.info("GPU segments: %d bytes on GPU %d (%s); %d bytes of host segments page-locked",
                      cfg.gpu_capacity, self.gpu.device, self.gpu.bus_id, self.gpu.pinned_bytes)
+        if cfg.disk is not None:
+            self.disk = DiskService(cfg.disk, self.segments)
         self.master = Master(sizes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
-                             policy=LRUPolicy(self.index.atime), listener=_Publisher(self), tiers=tiers)
+                             policy=LRUPolicy(self.index.atime), listener=_Publisher(self), tiers=tiers,
+                             on_evict=self.disk.tiering.evicting if self.disk is not None else None)
+        if self.disk is not None:
+            self.disk.attach(self.master)
 
     def _bind(self, ep: Endpoint) -> socket.socket:
         if ep.scheme == "unix":
@@ -244,12 +254,16 @@ class Server:
         if self.master.tier_of(replica) is Tier.HOST:  # clients read GPU-resident objects through the daemon
             self.index.publish(meta.key, replica.id, replica.segment, replica.offset, meta.size,
                                replica.expires_at, meta.checksum)
+        if self.disk is not None:
+            self.disk.tiering.published(replica)
         for fut in self.waiters.pop(meta.key, ()):
             if not fut.done():
                 fut.set_result(meta.key)
 
     def on_unpublished(self, replica: Replica) -> None:
         self.index.unpublish(replica.key, replica.id)
+        if self.disk is not None:
+            self.disk.tiering.unpublished(replica)
 
     # ---- services for sessions ----------------------------------------------------------------------
     @property
@@ -289,13 +303,15 @@ class Server:
         out["transports"] = list(self.served_transports)
         if self.gpu is not None:
             out["gpu"] = self.gpu.info()
+        if self.disk is not None:
+            out.update(self.disk.stats())
         out["listen"] = [str(ep) for ep in self.config.endpoints]
         out["pid"] = self.pid
         return out
 
     async def wait_for(self, keys: list[str], timeout: float) -> str | None:
         for key in keys:
-            if self.master.exists(key):
+            if self.master.exists(key) or (self.disk is not None and self.disk.contains(key)):
                 return key
         fut = self.add_waiter(keys)
         try:

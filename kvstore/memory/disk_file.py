@@ -1,0 +1,151 @@
+"""The on-disk format of one object of the disk tier: a header, the payload, and a commit record.
+
+::
+
+    header  (padded to a multiple of 4 KiB, so the payload starts page-aligned)
+        "KVDISK01" | u16 format | u16 key length | u32 meta length | u64 payload size | u64 payload xxh3
+        | u64 version | u64 generation | key bytes | meta bytes | zero padding
+    payload (payload size bytes)
+    commit  "KVCOMMIT" | u64 payload size | u64 payload xxh3 | u64 header xxh3      (32 bytes, last)
+
+A file is written under a temporary name, synced (``fdatasync``), then renamed into place and the directory
+synced: a ``*.kv`` name means the write completed. Recovery reads only the header and the commit record
+(never the payload); a file whose commit record is missing or does not match its header is deleted. The
+payload's checksum is checked on every read, so a payload lost after the rename (a power cut on a device
+that reorders writes) is never served either.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC = b"KVDISK01"
+COMMIT_MAGIC = b"KVCOMMIT"
+FORMAT = 1
+PAGE = 4096
+_HEAD = struct.Struct("<8sHHIQQQQ")
+_COMMIT = struct.Struct("<8sQQQ")
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+checksum_of = xxhash.xxh3_64_intdigest
+
+
+class RecordError(Exception):
+    """A file that is not a complete, consistent object record (torn, truncated or foreign)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Record:
+    """What a header says (the payload is not read)."""
+
+    key: str
+    meta: bytes
+    size: int
+    checksum: int
+    version: int
+    generation: int
+    payload_offset: int
+
+    @property
+    def file_bytes(self) -> int:
+        return self.payload_offset + self.size + _COMMIT.size
+
+
+def header_bytes(key: str, meta: bytes, size: int, checksum: int, version: int, generation: int) -> bytes:
+    kb = key.encode()
+    head = _HEAD.pack(MAGIC, FORMAT, len(kb), len(meta), size, checksum, version, generation) + kb + meta
+    return head + bytes(-len(head) % PAGE)
+
+
+def commit_bytes(header: bytes, size: int, checksum: int) -> bytes:
+    return _COMMIT.pack(COMMIT_MAGIC, size, checksum, checksum_of(header))
+
+
+def file_bytes(key: str, meta: bytes, size: int) -> int:
+    """The bytes an object takes on disk (what the tier's capacity counts)."""
+    head = _HEAD.size + len(key.encode()) + len(meta)
+    return head + (-head % PAGE) + size + _COMMIT.size
+
+
+def write_record(path: str, key: str, meta: bytes, payload: memoryview, version: int, generation: int) -> int:
+    """Write one object to ``path`` (a temporary name) and sync it; returns its payload checksum. An
+    OSError (ENOSPC, EFBIG, EIO) leaves no file behind."""
+    checksum = checksum_of(payload)
+    header = header_bytes(key, meta, len(payload), checksum, version, generation)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        _write_all(fd, [header, payload, commit_bytes(header, len(payload), checksum)])
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # memory is the cache: keep no second copy
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise
+    os.close(fd)
+    return checksum
+
+
+def _write_all(fd: int, parts: list) -> None:
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        n = os.writev(fd, views[:64])
+        if n == 0:
+            raise OSError(errno.EIO, "write made no progress")
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def read_record(path: str) -> Record:
+    """Parse the header and the commit record of ``path``; RecordError if they are not consistent."""
+    with open(path, "rb", buffering=0) as f:
+        st_size = os.fstat(f.fileno()).st_size
+        first = f.read(PAGE)
+        if len(first) < _HEAD.size:
+            raise RecordError(f"{path}: {len(first)} bytes, shorter than a header")
+        magic, fmt, klen, mlen, size, checksum, version, gen = _HEAD.unpack_from(first)
+        if magic != MAGIC or fmt != FORMAT:
+            raise RecordError(f"{path}: not a kvstore disk record (magic {magic!r}, format {fmt})")
+        head_len = _HEAD.size + klen + mlen
+        padded = head_len + (-head_len % PAGE)
+        if padded + size + _COMMIT.size != st_size:
+            raise RecordError(f"{path}: {st_size} bytes, the header promises {padded + size + _COMMIT.size}")
+        header = first if padded <= len(first) else first + f.read(padded - len(first))
+        f.seek(st_size - _COMMIT.size)
+        cmagic, csize, cchecksum, hchecksum = _COMMIT.unpack(f.read(_COMMIT.size))
+    if cmagic != COMMIT_MAGIC or csize != size or cchecksum != checksum or hchecksum != checksum_of(header[:padded]):
+        raise RecordError(f"{path}: commit record missing or not matching the header (torn write)")
+    try:
+        key = bytes(header[_HEAD.size:_HEAD.size + klen]).decode()
+    except UnicodeDecodeError:
+        raise RecordError(f"{path}: key is not UTF-8") from None
+    meta = bytes(header[_HEAD.size + klen:head_len])
+    return Record(key, meta, size, checksum, version, gen, padded)
+
+
+def read_payload(fd: int, record: Record, dst: memoryview) -> None:
+    """Read the payload into ``dst`` (``record.size`` bytes) and check its checksum; OSError on an I/O
+    error, RecordError when the bytes are short or do not match."""
+    got = 0
+    while got < record.size:
+        n = os.preadv(fd, [dst[got:record.size]], record.payload_offset + got)
+        if n == 0:
+            raise RecordError(f"payload of {record.key!r} ends after {got} of {record.size} bytes")
+        got += n
+    os.posix_fadvise(fd, record.payload_offset, record.size, os.POSIX_FADV_DONTNEED)
+    if checksum_of(dst[:record.size]) != record.checksum:
+        raise RecordError(f"payload of {record.key!r} does not match its checksum (corrupted on disk)")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
