@@ -207,7 +207,7 @@ class EmbeddedStore(KVStore):
     def _inspect(self, key: str) -> dict:
         with self._lock:
             try:
-                return {**describe_replica(self._m().lookup(key), self._m().clock()), "tier": "memory"}
+                return {**describe_replica(self._m().lookup(key), self._m().clock()), "tier": "host"}
             except KeyNotFoundError:
                 if self._disk is None:
                     raise
