@@ -24,7 +24,7 @@ class DiskOps:
     master: Any
 
     def disk_handlers(self) -> dict:
-        if getattr(self.ctx, "disk", None) is None:
+        if getattr(getattr(self, "ctx", None), "disk", None) is None:  # the table is also built unconnected
             return {}
         return {"get": self.op_disk_get, "lease": self.op_disk_lease, "exists": self.op_disk_exists,
                 "batch_exists": self.op_disk_batch_exists, "evict": self.op_disk_evict,

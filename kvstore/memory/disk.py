@@ -2,10 +2,12 @@
 crash recovery from the files' headers, and a lock so that one process owns the directory.
 
 Writes are copied into a bounded staging area and written by one thread as large sequential writes
-(buffered + ``fdatasync``; see ``kvstore.memory.disk_file`` for the format and the README for the
-measurement behind the choice), so the caller (an eviction on the daemon's loop) never waits for the device
-unless the writer falls more than ``staging_bytes`` behind. Reads copy straight into the caller's buffer
-and check the checksum. The disk never holds more than ``capacity`` bytes, staged writes included.
+(``O_DIRECT`` + ``fdatasync`` from page-aligned staging; see ``kvstore.memory.disk_file`` for the format
+and the README for the measurement behind the choice), so the caller (an eviction on the daemon's loop)
+never waits for the device unless the writer falls more than ``staging_bytes`` behind. Reads copy straight
+into the caller's buffer (buffered ``preadv``: measured faster than O_DIRECT here, and it needs no alignment
+of the caller's buffer) and check the checksum. The disk never holds more than ``capacity`` bytes, staged
+writes included.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import errno
 import fcntl
 import hashlib
 import logging
+import mmap
 import os
 import threading
 import time
@@ -31,6 +34,7 @@ from kvstore.memory.disk_file import (
     file_bytes,
     read_payload,
     read_record,
+    staging,
     write_record,
 )
 
@@ -87,7 +91,7 @@ class DiskObject:
     version: int
     generation: int
     nbytes: int
-    staged: bytearray | None = None
+    staged: mmap.mmap | None = None  # laid out as the file (disk_file.staging)
     record: Record | None = None
     reads: int = 0
 
@@ -128,7 +132,8 @@ class DiskTier:
                 self.counters["disk_dropped"] += 1
                 return False
             self._generation += 1
-            obj = DiskObject(key, meta, len(payload), version, self._generation, nbytes, staged=bytearray(payload))
+            obj = DiskObject(key, meta, len(payload), version, self._generation, nbytes,
+                             staged=staging(key, meta, payload))
             self._forget(self._objects.get(key))
             self._objects[key] = obj
             self._used += nbytes
@@ -174,17 +179,27 @@ class DiskTier:
                     return
                 obj = self._queue.popleft()
                 current = self._objects.get(obj.key) is obj
-            if current:
-                self._write(obj)
+            try:
+                if current:
+                    self._write(obj)
+            except Exception:  # a bug, not an I/O error: keep the writer alive for the others
+                log.exception("disk tier: writing %r failed", obj.key)
+                with self._cond:
+                    self.counters["disk_errors"] += 1
+                    self._forget(obj)
             with self._cond:
                 self._staged -= obj.size
-                obj.staged = None
+                staged, obj.staged = obj.staged, None
                 self._cond.notify_all()
+            try:
+                staged.close()
+            except BufferError:  # a view of it is still alive (an exception's traceback): freed with it
+                pass
 
     def _write(self, obj: DiskObject) -> None:
         tmp = os.path.join(self.path, "." + obj.name + TMP_SUFFIX)
         try:
-            checksum = write_record(tmp, obj.key, obj.meta, memoryview(obj.staged), obj.version, obj.generation)
+            checksum = write_record(tmp, obj.staged, obj.key, obj.meta, obj.size, obj.version, obj.generation)
         except OSError as exc:
             full = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
             log.warning("disk tier: writing %r failed (%s); dropped from the disk tier", obj.key, exc)
@@ -228,7 +243,9 @@ class DiskTier:
             obj.reads += 1
             self.counters["disk_reads"] += 1
             if obj.record is None:  # still being written: the staged bytes are the object
-                dst[:obj.size] = obj.staged
+                offset = obj.nbytes - obj.size - 32
+                with memoryview(obj.staged) as staged:
+                    dst[:obj.size] = staged[offset:offset + obj.size]
                 return obj
             try:
                 fd = os.open(os.path.join(self.path, obj.name), os.O_RDONLY | os.O_CLOEXEC)
