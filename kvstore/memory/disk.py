@@ -5,14 +5,15 @@ Writes are copied into a bounded staging area and written by one thread as large
 (``O_DIRECT`` + ``fdatasync`` from page-aligned staging; see ``kvstore.memory.disk_file`` for the format
 and the README for the measurement behind the choice), so the caller (an eviction on the daemon's loop)
 never waits for the device unless the writer falls more than ``staging_bytes`` behind. Reads copy straight
-into the caller's buffer (buffered ``preadv``: measured faster than O_DIRECT here, and it needs no alignment
-of the caller's buffer) and check the checksum. The disk never holds more than ``capacity`` bytes, staged
+into the caller's buffer (``O_DIRECT`` through a page-aligned bounce buffer, since the caller's buffer need
+not be aligned) and check the checksum. The disk never holds more than ``capacity`` bytes, staged
 writes included.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -32,14 +33,17 @@ from kvstore.memory.disk_file import (
     Record,
     RecordError,
     file_bytes,
+    open_record,
+    payload_offset,
     read_payload,
     read_record,
-    staging,
+    stage,
     write_record,
 )
 
 log = logging.getLogger("kvstore.memory.disk")
 LOCK_NAME = ".lock"
+_BOUNCE = 16 << 20  # the most an O_DIRECT read moves at a time (through a page-aligned buffer)
 
 
 class DiskPolicy(Enum):
@@ -91,7 +95,7 @@ class DiskObject:
     version: int
     generation: int
     nbytes: int
-    staged: mmap.mmap | None = None  # laid out as the file (disk_file.staging)
+    staged: mmap.mmap | None = None  # laid out as the file (disk_file.stage)
     record: Record | None = None
     reads: int = 0
 
@@ -109,7 +113,8 @@ class DiskTier:
         self._cond = threading.Condition()
         self._objects: OrderedDict[str, DiskObject] = OrderedDict()  # least recently used first
         self._queue: collections.deque[DiskObject] = collections.deque()
-        self._used = self._staged = 0
+        self._used = self._staged = self._unsynced = self._pooled = 0
+        self._pool: list[mmap.mmap] = []  # staging buffers to reuse (a fresh mapping faults in every page)
         self._generation = 0
         self._closing = False
         self._writer: threading.Thread | None = None
@@ -132,8 +137,8 @@ class DiskTier:
                 self.counters["disk_dropped"] += 1
                 return False
             self._generation += 1
-            obj = DiskObject(key, meta, len(payload), version, self._generation, nbytes,
-                             staged=staging(key, meta, payload))
+            obj = DiskObject(key, meta, len(payload), version, self._generation, nbytes, staged=self._buffer(nbytes))
+            stage(obj.staged, key, meta, payload)
             self._forget(self._objects.get(key))
             self._objects[key] = obj
             self._used += nbytes
@@ -170,6 +175,23 @@ class DiskTier:
                 self.counters["disk_evictions"] += 1
         return used + nbytes <= self.capacity
 
+    def _buffer(self, nbytes: int) -> mmap.mmap:
+        for i, buf in enumerate(self._pool):
+            if nbytes <= len(buf) <= 2 * nbytes:
+                self._pooled -= len(buf)
+                return self._pool.pop(i)
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+
+    def _recycle(self, buf: mmap.mmap) -> None:
+        if self._pooled + len(buf) <= self.config.staging_bytes and not self._closing:
+            self._pool.append(buf)
+            self._pooled += len(buf)
+            return
+        try:
+            buf.close()
+        except BufferError:  # a view of it is still alive (an exception's traceback): freed with it
+            pass
+
     def _write_loop(self) -> None:
         while True:
             with self._cond:
@@ -189,12 +211,16 @@ class DiskTier:
                     self._forget(obj)
             with self._cond:
                 self._staged -= obj.size
-                staged, obj.staged = obj.staged, None
+                self._recycle(obj.staged)
+                obj.staged = None
+                self._unsynced += 1
+                sync = not self._queue or self._unsynced >= 32
                 self._cond.notify_all()
-            try:
-                staged.close()
-            except BufferError:  # a view of it is still alive (an exception's traceback): freed with it
-                pass
+            if sync:  # the renames reach the disk together: one directory sync a batch, not one an object
+                _fsync_dir(self.path)
+                with self._cond:
+                    self._unsynced = 0
+                    self._cond.notify_all()
 
     def _write(self, obj: DiskObject) -> None:
         tmp = os.path.join(self.path, "." + obj.name + TMP_SUFFIX)
@@ -215,9 +241,8 @@ class DiskTier:
                 return
             os.rename(tmp, os.path.join(self.path, obj.name))
             obj.record = Record(obj.key, obj.meta, obj.size, checksum, obj.version, obj.generation,
-                                obj.nbytes - obj.size - 32)
+                                payload_offset(obj.key, obj.meta))
             self.counters["disk_writes"] += 1
-        _fsync_dir(self.path)
 
     # ---- reads --------------------------------------------------------------------------------------
     def get(self, key: str) -> DiskObject | None:
@@ -243,21 +268,26 @@ class DiskTier:
             obj.reads += 1
             self.counters["disk_reads"] += 1
             if obj.record is None:  # still being written: the staged bytes are the object
-                offset = obj.nbytes - obj.size - 32
+                offset = payload_offset(obj.key, obj.meta)
                 with memoryview(obj.staged) as staged:
                     dst[:obj.size] = staged[offset:offset + obj.size]
                 return obj
             try:
-                fd = os.open(os.path.join(self.path, obj.name), os.O_RDONLY | os.O_CLOEXEC)
+                fd, direct = open_record(os.path.join(self.path, obj.name))
             except OSError as exc:
                 self._read_failed(obj, exc)
+            bounce = self._buffer(min(obj.nbytes, _BOUNCE)) if direct else None
         try:
-            read_payload(fd, obj.record, dst)
+            with memoryview(bounce) if bounce is not None else contextlib.nullcontext() as view:
+                read_payload(fd, obj.record, dst, view)
         except (OSError, RecordError) as exc:
             with self._cond:
                 self._read_failed(obj, exc)
         finally:
             os.close(fd)
+            if bounce is not None:
+                with self._cond:
+                    self._recycle(bounce)
         return obj
 
     def _read_failed(self, obj: DiskObject, exc: Exception) -> None:
@@ -336,7 +366,8 @@ class DiskTier:
     def stats(self) -> dict:
         with self._cond:
             return {"disk_capacity_bytes": self.capacity, "disk_used_bytes": self._used,
-                    "disk_objects": len(self._objects), "disk_pending_writes": len(self._queue) + (self._staged > 0),
+                    "disk_objects": len(self._objects),
+                    "disk_pending_writes": len(self._queue) + (self._staged > 0) + self._unsynced,
                     "disk_path": self.path, "disk_policy": self.config.policy.value,
                     "disk_recovery": dict(self.recovery), **self.counters}
 
@@ -344,7 +375,7 @@ class DiskTier:
         """Wait until every queued write has reached the disk (or was dropped); False at timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._staged:
+            while self._staged or self._unsynced:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -362,6 +393,9 @@ class DiskTier:
             self._cond.notify_all()
         if self._writer is not None:
             self._writer.join(timeout)
+        for buf in self._pool:
+            self._recycle(buf)  # closes it (the tier is closing)
+        self._pool.clear()
         os.close(self._lock_fd)
         self._lock_fd = -1
 

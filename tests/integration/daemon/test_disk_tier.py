@@ -199,9 +199,9 @@ def test_missing_disk_path_is_a_clear_error(disk_dir):
 
 
 def test_disk_eviction_order_and_capacity(daemon_factory, disk_dir):
-    # each 256 KiB object takes 256 KiB + 4 KiB header + 32 B on disk: 8 of them stay under the high
-    # watermark (95 %) of 2200 KiB
-    d = daemon_factory(capacity="1MiB", args=disk_args(disk_dir, capacity="2200KiB"))
+    # each 256 KiB object takes 256 KiB + a 4 KiB header + a 4 KiB block ending with the commit record on
+    # disk: 8 of them stay under the high watermark (95 %) of 2240 KiB
+    d = daemon_factory(capacity="1MiB", args=disk_args(disk_dir, capacity="2240KiB"))
     with d.connect("shm") as store:
         for i in range(8):
             store.put(f"e{i}", value(i))
@@ -219,7 +219,7 @@ def test_disk_eviction_order_and_capacity(daemon_factory, disk_dir):
         assert store.stats()["disk_evictions"] >= 3
         oldest_kept = min(on_disk - {0})  # least recently used went first: e1, e2, ... and never e0
         assert on_disk == {0} | set(range(oldest_kept, 11)) and oldest_kept > 1
-        assert sum(os.path.getsize(os.path.join(disk_dir, n)) for n in record_files(disk_dir)) <= 2200 * KiB
+        assert sum(os.path.getsize(os.path.join(disk_dir, n)) for n in record_files(disk_dir)) <= 2240 * KiB
 
 
 def test_disk_full_drops_objects_and_memory_keeps_working(daemon_factory, disk_dir):
