@@ -2,6 +2,9 @@
 
     python -m benchmarks.bench_disk [--dir DIR] [--sizes 1MiB,16MiB,64MiB] [--total 512MiB] [--json PATH]
 
+Each size runs the raw device and the tier ``--repeat`` times, interleaved (a shared virtual disk's speed
+drifts between runs), and reports the medians.
+
 1. Raw device: each object size written as one file per object with ``O_DIRECT`` + ``fdatasync`` and read
    back with ``O_DIRECT`` (the baseline), and the same with buffered I/O (``fdatasync``; reads after
    ``POSIX_FADV_DONTNEED``), which is how the tier's I/O method was chosen.
@@ -225,6 +228,10 @@ def recovery(directory: str, total: int, size: int) -> dict:
             "objects_per_s": rec["objects"] / max(rec["seconds"], 1e-9)}
 
 
+def _median(runs: list[dict]) -> dict:
+    return {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+
+
 def _fresh(directory: str, name: str) -> str:
     path = os.path.join(directory, name)
     shutil.rmtree(path, ignore_errors=True)
@@ -236,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=None, help="directory on the filesystem to measure (default: a temp dir)")
     p.add_argument("--sizes", default="1MiB,16MiB,64MiB", help="object sizes")
-    p.add_argument("--total", default="512MiB", help="bytes moved per size and measurement")
+    p.add_argument("--total", default="256MiB", help="bytes moved per size and measurement")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="interleaved repeats of raw device and tier runs (medians are reported)")
     p.add_argument("--memory", default="64MiB", help="memory capacity of the Zipf runs")
     p.add_argument("--zipf-size", default="1MiB", help="object size of the Zipf runs")
     p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent")
@@ -262,15 +271,14 @@ def run(base: str, args: argparse.Namespace) -> dict:
     print(f"{'size':>8} | {'raw O_DIRECT w/r GB/s':>22} | {'buffered w/r GB/s':>18} | {'demote GB/s (x raw)':>20} | "
           f"{'disk get_into GB/s (x raw)':>27} | {'daemon demote':>14} | {'promote (x raw)':>16}")
     for size in (parse_size(s) for s in args.sizes.split(",")):
-        direct = raw_device(base, size, total, True)
-        buffered = raw_device(base, size, total, False)
-        emb = tier_embedded(base, size, total)
-        dmn = tier_daemon(base, size, total)
+        reps = [(raw_device(base, size, total, True), raw_device(base, size, total, False),
+                 tier_embedded(base, size, total), tier_daemon(base, size, total)) for _ in range(args.repeat)]
+        direct, buffered, emb, dmn = (_median([r[i] for r in reps]) for i in range(4))  # interleaved runs
         row = {"raw_direct": direct, "raw_buffered": buffered, **emb, **dmn,
                "demote_x_raw": emb["demote_gbps"] / direct["write_gbps"],
                "disk_get_into_x_raw": emb["disk_get_into_gbps"] / direct["read_gbps"],
                "daemon_demote_x_raw": dmn["daemon_demote_gbps"] / direct["write_gbps"],
-               "promote_x_raw": dmn["promote_gbps"] / direct["read_gbps"]}
+               "promote_x_raw": dmn["promote_gbps"] / direct["read_gbps"], "repeats": reps}
         results["sizes"][format_size(size)] = row
         print(f"{format_size(size):>8} | {direct['write_gbps']:10.2f} / {direct['read_gbps']:<9.2f} | "
               f"{buffered['write_gbps']:7.2f} / {buffered['read_gbps']:<8.2f} | "

@@ -16,7 +16,7 @@ from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
 from kvstore.core.master import Master, Replica, describe_replica
 from kvstore.core.meta import ObjectMeta
-from kvstore.core.tiering import Tiering, decode_meta, describe_disk_object
+from kvstore.core.tiering import Tiering, decode_meta, describe_disk_object, promotion_meta
 from kvstore.core.value import KVObject, Payload
 from kvstore.errors import KeyExistsError, KeyNotFoundError, KVStoreError, StoreConnectionError, StoreFullError
 from kvstore.memory.disk import DiskConfig, DiskObject, DiskPolicy, DiskTier
@@ -260,7 +260,7 @@ class EmbeddedStore(KVStore):
         obj = self._disk_object(key)
         if not force and not self._disk.wants_promotion(key):
             return False
-        meta = decode_meta(obj.meta)
+        meta = promotion_meta(obj.meta)
         with self._lock:
             try:
                 replica = self._m().begin_put(meta, self._client, if_absent=True)

@@ -2,8 +2,9 @@
 to it does the I/O).
 
 - **Demote on eviction**: an object the master evicts is handed to the disk tier (a copy is queued and
-  written in the background) instead of being dropped. Objects with a TTL and ephemeral ones (liveness
-  claims) are not demoted: they mean nothing after their time or their owner.
+  written in the background) instead of being dropped. An object with a TTL keeps its wall-clock expiry
+  on disk (and the rest of it when promoted back); ephemeral ones (liveness claims) are not demoted: they
+  mean nothing without their owner.
 - **Write-through** (policy ``write-through``): every commit is also queued to disk, so objects survive a
   restart; an eviction then writes nothing when the disk already holds that version.
 - **A new version supersedes the disk copy**: with ``demote``, a commit of a key drops its older disk copy.
@@ -14,6 +15,7 @@ to it does the I/O).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -27,7 +29,7 @@ from kvstore.core.meta import ObjectMeta
 class DiskTierLike(Protocol):
     """What tiering needs of a disk tier (``kvstore.memory.disk.DiskTier``)."""
 
-    def store(self, key: str, meta: bytes, payload: memoryview, version: int) -> bool: ...
+    def store(self, key: str, meta: bytes, payload: memoryview, version: int, expires: float = 0.0) -> bool: ...
     def get(self, key: str) -> Any: ...
     def discard(self, key: str) -> bool: ...
     def wants_promotion(self, key: str) -> bool: ...
@@ -40,6 +42,19 @@ def encode_meta(meta: ObjectMeta) -> bytes:
 
 def decode_meta(blob: bytes) -> ObjectMeta:
     return ObjectMeta.from_wire(msgpack.unpackb(blob, raw=False))
+
+
+def expiry_of(meta: ObjectMeta) -> float:
+    """The wall-clock time after which the object is gone (0.0: never)."""
+    return 0.0 if meta.ttl is None else meta.created + meta.ttl
+
+
+def promotion_meta(blob: bytes) -> ObjectMeta:
+    """The meta a promoted copy is committed with: its TTL is what was left of it."""
+    meta = decode_meta(blob)
+    if meta.ttl is None:
+        return meta
+    return dataclasses.replace(meta, ttl=max(expiry_of(meta) - time.time(), 1e-3))
 
 
 class Tiering:
@@ -55,7 +70,7 @@ class Tiering:
 
     def evicting(self, replica: Replica) -> None:
         """Master hook: ``replica`` is being evicted from memory; demote it."""
-        if replica.meta.ttl is not None or replica.ephemeral:
+        if replica.ephemeral:
             return
         origin = self._from_disk.get(replica.id) or self._written.get(replica.id)
         if origin is not None and self.disk.get(replica.key) is origin:
@@ -65,7 +80,8 @@ class Tiering:
         if view is None:
             return
         try:
-            if self.disk.store(replica.key, encode_meta(replica.meta), view, replica.meta.version or 0):
+            if self.disk.store(replica.key, encode_meta(replica.meta), view, replica.meta.version or 0,
+                               expiry_of(replica.meta)):
                 self.demotions += 1
         finally:
             view.release()
@@ -80,7 +96,7 @@ class Tiering:
             self._from_disk[replica.id] = origin
             self.promotions += 1
             return
-        if not self.write_through or replica.meta.ttl is not None or replica.ephemeral:
+        if not self.write_through or replica.ephemeral:
             self.disk.discard(replica.key)
             return
         view = self.view(replica)
@@ -88,7 +104,8 @@ class Tiering:
             self.disk.discard(replica.key)
             return
         try:
-            if self.disk.store(replica.key, encode_meta(replica.meta), view, replica.meta.version or 0):
+            if self.disk.store(replica.key, encode_meta(replica.meta), view, replica.meta.version or 0,
+                               expiry_of(replica.meta)):
                 self._written[replica.id] = self.disk.get(replica.key)
             else:
                 self.disk.discard(replica.key)
@@ -114,4 +131,5 @@ def describe_disk_object(obj: Any) -> dict:
             "checksum": f"{meta.checksum:016x}" if meta.checksum is not None else None,
             "state": "complete" if obj.record is not None else "writing", "version": meta.version,
             "tier": "disk", "disk_bytes": obj.nbytes, "disk_reads": obj.reads, "producer": meta.producer,
-            "age_s": round(time.time() - meta.created, 6), "meta": meta.user}
+            "age_s": round(time.time() - meta.created, 6), "ttl_s": meta.ttl,
+            "expires_in_s": None if meta.ttl is None else round(expiry_of(meta) - time.time(), 6), "meta": meta.user}

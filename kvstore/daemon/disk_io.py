@@ -13,7 +13,7 @@ import logging
 
 from kvstore.core.master import Master, Replica, Tier
 from kvstore.core.meta import ObjectMeta
-from kvstore.core.tiering import Tiering, decode_meta
+from kvstore.core.tiering import Tiering, decode_meta, promotion_meta
 from kvstore.errors import KeyExistsError, KeyNotFoundError, StoreFullError
 from kvstore.memory.disk import DiskConfig, DiskObject, DiskPolicy, DiskTier
 from kvstore.memory.segment import SegmentSet
@@ -81,7 +81,7 @@ class DiskService:
     async def _promote(self, key: str) -> bool:
         master = self.master
         obj = self.lookup(key)
-        meta = decode_meta(obj.meta)
+        meta = promotion_meta(obj.meta)
         master.heartbeat(self.client)
         try:
             replica = master.begin_put(meta, self.client, if_absent=True)

@@ -98,6 +98,10 @@ class DiskObject:
     staged: mmap.mmap | None = None  # laid out as the file (disk_file.stage)
     record: Record | None = None
     reads: int = 0
+    expires: float = 0.0  # time.time() after which it is gone (0: never)
+
+    def expired(self, now: float) -> bool:
+        return 0.0 < self.expires <= now
 
     @property
     def name(self) -> str:
@@ -127,9 +131,10 @@ class DiskTier:
             raise
 
     # ---- writes -------------------------------------------------------------------------------------
-    def store(self, key: str, meta: bytes, payload: memoryview, version: int) -> bool:
-        """Queue a copy of ``payload`` to be written as ``key`` (replacing any older copy); False when it
-        was dropped instead (larger than the tier, no room, or the writer too far behind)."""
+    def store(self, key: str, meta: bytes, payload: memoryview, version: int, expires: float = 0.0) -> bool:
+        """Queue a copy of ``payload`` to be written as ``key`` (replacing any older copy), gone after the
+        wall-clock time ``expires`` (0: never); False when it was dropped instead (larger than the tier, no
+        room, or the writer too far behind)."""
         nbytes = file_bytes(key, meta, len(payload))
         with self._cond:
             if self._closing or nbytes > self.capacity or not self._staging_room(len(payload)) \
@@ -137,7 +142,8 @@ class DiskTier:
                 self.counters["disk_dropped"] += 1
                 return False
             self._generation += 1
-            obj = DiskObject(key, meta, len(payload), version, self._generation, nbytes, staged=self._buffer(nbytes))
+            obj = DiskObject(key, meta, len(payload), version, self._generation, nbytes, staged=self._buffer(nbytes),
+                             expires=expires)
             stage(obj.staged, key, meta, payload)
             self._forget(self._objects.get(key))
             self._objects[key] = obj
@@ -225,7 +231,8 @@ class DiskTier:
     def _write(self, obj: DiskObject) -> None:
         tmp = os.path.join(self.path, "." + obj.name + TMP_SUFFIX)
         try:
-            checksum = write_record(tmp, obj.staged, obj.key, obj.meta, obj.size, obj.version, obj.generation)
+            checksum = write_record(tmp, obj.staged, obj.key, obj.meta, obj.size, obj.version, obj.generation,
+                                    obj.expires)
         except OSError as exc:
             full = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
             log.warning("disk tier: writing %r failed (%s); dropped from the disk tier", obj.key, exc)
@@ -241,20 +248,25 @@ class DiskTier:
                 return
             os.rename(tmp, os.path.join(self.path, obj.name))
             obj.record = Record(obj.key, obj.meta, obj.size, checksum, obj.version, obj.generation,
-                                payload_offset(obj.key, obj.meta))
+                                payload_offset(obj.key, obj.meta), obj.expires)
             self.counters["disk_writes"] += 1
 
     # ---- reads --------------------------------------------------------------------------------------
     def get(self, key: str) -> DiskObject | None:
+        """The object stored as ``key``, or None (an expired one is dropped now)."""
         with self._cond:
-            return self._objects.get(key)
+            obj = self._objects.get(key)
+            if obj is not None and obj.expired(time.time()):
+                self._forget(obj)
+                return None
+            return obj
 
     def contains(self, key: str) -> bool:
-        return key in self._objects
+        return self.get(key) is not None
 
     def wants_promotion(self, key: str) -> bool:
         """Whether the next read of ``key`` is the one that should copy it back into memory."""
-        obj = self._objects.get(key)
+        obj = self.get(key)
         return obj is not None and obj.reads + 1 >= self.config.promote_after
 
     def read_into(self, obj: DiskObject, dst: memoryview) -> DiskObject:
@@ -305,8 +317,9 @@ class DiskTier:
             return obj is not None
 
     def keys(self, prefix: str = "") -> list[str]:
+        now = time.time()
         with self._cond:
-            return [k for k in self._objects if k.startswith(prefix)]
+            return [k for k, o in self._objects.items() if k.startswith(prefix) and not o.expired(now)]
 
     def _forget(self, obj: DiskObject | None) -> None:
         """Drop ``obj`` from the index and delete its file (a write in flight is discarded when it ends)."""
@@ -334,7 +347,7 @@ class DiskTier:
                 torn += self._recover_one(entry, found)
         for record, _, _ in sorted(found.values(), key=lambda f: f[2]):
             obj = DiskObject(record.key, record.meta, record.size, record.version, record.generation,
-                             record.file_bytes, record=record)
+                             record.file_bytes, record=record, expires=record.expires)
             self._objects[obj.key] = obj
             self._used += obj.nbytes
             self._generation = max(self._generation, obj.generation)

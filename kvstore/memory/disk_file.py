@@ -4,7 +4,7 @@
 
     header  (padded to a multiple of 4 KiB, so the payload starts page-aligned)
         "KVDISK01" | u16 format | u16 key length | u32 meta length | u64 payload size | u64 payload xxh3
-        | u64 version | u64 generation | key bytes | meta bytes | zero padding
+        | u64 version | u64 generation | f64 expiry (wall clock, 0: none) | key bytes | meta bytes | zeros
     payload (payload size bytes), then zeros up to the 4 KiB block that ends with
     commit  "KVCOMMIT" | u64 payload size | u64 payload xxh3 | u64 header xxh3      (the file's last 32 bytes)
 
@@ -32,7 +32,7 @@ MAGIC = b"KVDISK01"
 COMMIT_MAGIC = b"KVCOMMIT"
 FORMAT = 1
 PAGE = 4096
-_HEAD = struct.Struct("<8sHHIQQQQ")
+_HEAD = struct.Struct("<8sHHIQQQQd")
 _COMMIT = struct.Struct("<8sQQQ")
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
@@ -55,15 +55,17 @@ class Record:
     version: int
     generation: int
     payload_offset: int
+    expires: float = 0.0  # time.time() after which the object is gone (0: never)
 
     @property
     def file_bytes(self) -> int:
         return _pages(self.payload_offset + self.size + _COMMIT.size)
 
 
-def header_bytes(key: str, meta: bytes, size: int, checksum: int, version: int, generation: int) -> bytes:
+def header_bytes(key: str, meta: bytes, size: int, checksum: int, version: int, generation: int,
+                 expires: float = 0.0) -> bytes:
     kb = key.encode()
-    head = _HEAD.pack(MAGIC, FORMAT, len(kb), len(meta), size, checksum, version, generation) + kb + meta
+    head = _HEAD.pack(MAGIC, FORMAT, len(kb), len(meta), size, checksum, version, generation, expires) + kb + meta
     return head + bytes(-len(head) % PAGE)
 
 
@@ -93,7 +95,7 @@ def stage(buf: mmap.mmap, key: str, meta: bytes, payload: memoryview) -> None:
 
 
 def write_record(path: str, buf: mmap.mmap, key: str, meta: bytes, size: int, version: int,
-                 generation: int) -> int:
+                 generation: int, expires: float = 0.0) -> int:
     """Write the object staged in ``buf`` (by ``stage``) to ``path`` and sync it; returns the payload's
     checksum. ``O_DIRECT`` when the filesystem takes it (measured faster for large writes here: no copy
     into the page cache, and the cache keeps no second copy of what memory just evicted), buffered
@@ -101,7 +103,7 @@ def write_record(path: str, buf: mmap.mmap, key: str, meta: bytes, size: int, ve
     offset, total = payload_offset(key, meta), file_bytes(key, meta, size)
     with memoryview(buf) as view:
         checksum = checksum_of(view[offset:offset + size])
-        header = header_bytes(key, meta, size, checksum, version, generation)
+        header = header_bytes(key, meta, size, checksum, version, generation, expires)
         view[:offset] = header
         view[offset + size:total - _COMMIT.size] = bytes(total - _COMMIT.size - offset - size)
         view[total - _COMMIT.size:total] = commit_bytes(header, size, checksum)
@@ -139,7 +141,7 @@ def read_record(path: str) -> Record:
         first = f.read(PAGE)
         if len(first) < _HEAD.size:
             raise RecordError(f"{path}: {len(first)} bytes, shorter than a header")
-        magic, fmt, klen, mlen, size, checksum, version, gen = _HEAD.unpack_from(first)
+        magic, fmt, klen, mlen, size, checksum, version, gen, expires = _HEAD.unpack_from(first)
         if magic != MAGIC or fmt != FORMAT:
             raise RecordError(f"{path}: not a kvstore disk record (magic {magic!r}, format {fmt})")
         head_len = _HEAD.size + klen + mlen
@@ -156,7 +158,7 @@ def read_record(path: str) -> Record:
     except UnicodeDecodeError:
         raise RecordError(f"{path}: key is not UTF-8") from None
     meta = bytes(header[_HEAD.size + klen:head_len])
-    return Record(key, meta, size, checksum, version, gen, padded)
+    return Record(key, meta, size, checksum, version, gen, padded, expires)
 
 
 def open_record(path: str) -> tuple[int, bool]:

@@ -244,3 +244,47 @@ def test_disk_full_drops_objects_and_memory_keeps_working(daemon_factory, disk_d
         d.stop(signal.SIGTERM)
     finally:
         subprocess.run(["umount", "-l", mnt], check=False)
+
+
+@pytest.mark.parametrize("kind", ["embedded", "daemon-shm"])
+def test_a_demoted_object_keeps_its_ttl(kind, daemon_factory, disk_dir):
+    d = None if kind == "embedded" else daemon_factory(capacity="2MiB", args=disk_args(disk_dir))
+    store = open_store(kind, d, disk_dir)
+    try:
+        store.put("short", value(1), ttl=0.5)
+        store.put("long", value(2), ttl=600)
+        assert store.evict("short") and store.evict("long")
+        assert store.inspect("short")["tier"] == "disk"
+        assert wait_until(lambda: not store.exists("short"), 10)  # expired on disk too
+        with pytest.raises(KeyNotFoundError):
+            store.get("short")
+        assert bytes(store.get("long")) == value(2) and store.inspect("long")["ttl_s"] > 500
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["embedded", "daemon-shm", "daemon-tcp"])
+def test_handoff_finds_chunks_that_left_memory_on_disk(kind, daemon_factory, disk_dir):
+    torch = pytest.importorskip("torch")
+    import handoff_child as child
+
+    from kvstore.handoff import KVHandoff
+
+    d = None if kind == "embedded" else daemon_factory(capacity="2MiB", args=disk_args(disk_dir))
+    store = open_store(kind, d, disk_dir)
+    try:
+        layout = child.layout()
+        src = child.caches(12, seed=3)
+        h = KVHandoff(store, layout, chunk_blocks=2)
+        tokens = list(range(4 * layout.block_size))
+        h.publish("r", src, [7, 2, 9, 0], num_tokens=len(tokens), token_ids=tokens).wait()
+        for key in store.keys():
+            store.evict(key)  # every chunk (and the request's records) leaves memory
+        assert store.stats()["objects"] == 0 and store.stats()["disk_objects"] > 0
+        dst = [torch.zeros(layout.cache_shape(12), dtype=layout.dtype) for _ in range(layout.num_layers)]
+        h.fetch("r", dst, [1, 3, 5, 8], num_tokens=len(tokens))
+        for c_src, c_dst in zip(src, dst, strict=True):
+            assert torch.equal(c_dst[:, [1, 3, 5, 8]], c_src[:, [7, 2, 9, 0]])
+        assert h.lookup(tokens) == len(tokens)  # the prefix chunks are still found
+    finally:
+        store.close()
