@@ -1,5 +1,5 @@
 """DiskTier: objects on a local disk under one directory — index, LRU and watermarks, a background writer,
-crash recovery from the files' headers, and a lock so that one process owns the directory.
+crash recovery from the files' headers (``kvstore.memory.disk_dir``), and a lock so that one process owns the directory.
 
 Writes are copied into a bounded staging area and written by one thread as large sequential writes
 (``O_DIRECT`` + ``fdatasync`` from page-aligned staging; see ``kvstore.memory.disk_file`` for the format
@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import fcntl
 import hashlib
 import logging
 import mmap
@@ -26,7 +25,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 
-from kvstore.errors import DiskPathError, DiskReadError, KeyNotFoundError
+from kvstore.errors import DiskReadError, KeyNotFoundError
+from kvstore.memory.disk_dir import fsync_dir, lock_directory, scan
 from kvstore.memory.disk_file import (
     SUFFIX,
     TMP_SUFFIX,
@@ -36,13 +36,11 @@ from kvstore.memory.disk_file import (
     open_record,
     payload_offset,
     read_payload,
-    read_record,
     stage,
     write_record,
 )
 
 log = logging.getLogger("kvstore.memory.disk")
-LOCK_NAME = ".lock"
 _BOUNCE = 16 << 20  # the most an O_DIRECT read moves at a time (through a page-aligned buffer)
 
 
@@ -113,7 +111,7 @@ class DiskTier:
         self.config = config
         self.path = os.path.abspath(config.path)
         self.capacity = config.capacity
-        self._lock_fd = _lock_directory(self.path)
+        self._lock_fd = lock_directory(self.path)
         self._cond = threading.Condition()
         self._objects: OrderedDict[str, DiskObject] = OrderedDict()  # least recently used first
         self._queue: collections.deque[DiskObject] = collections.deque()
@@ -223,7 +221,7 @@ class DiskTier:
                 sync = not self._queue or self._unsynced >= 32
                 self._cond.notify_all()
             if sync:  # the renames reach the disk together: one directory sync a batch, not one an object
-                _fsync_dir(self.path)
+                fsync_dir(self.path)
                 with self._cond:
                     self._unsynced = 0
                     self._cond.notify_all()
@@ -337,15 +335,8 @@ class DiskTier:
     def _recover(self) -> dict:
         """Rebuild the index from the headers of the files in the directory (payloads are not read)."""
         started = time.perf_counter()
-        found: dict[str, tuple[Record, str, float]] = {}
-        torn = 0
-        for entry in os.scandir(self.path):
-            if entry.name.endswith(TMP_SUFFIX):  # a write that never completed
-                os.unlink(entry.path)
-                torn += 1
-            elif entry.name.endswith(SUFFIX):
-                torn += self._recover_one(entry, found)
-        for record, _, _ in sorted(found.values(), key=lambda f: f[2]):
+        records, dropped = scan(self.path)
+        for record in records:
             obj = DiskObject(record.key, record.meta, record.size, record.version, record.generation,
                              record.file_bytes, record=record, expires=record.expires)
             self._objects[obj.key] = obj
@@ -353,27 +344,10 @@ class DiskTier:
             self._generation = max(self._generation, obj.generation)
         self._make_room(0)
         seconds = time.perf_counter() - started
-        out = {"objects": len(self._objects), "bytes": self._used, "dropped": torn, "seconds": round(seconds, 6)}
+        out = {"objects": len(self._objects), "bytes": self._used, "dropped": dropped, "seconds": round(seconds, 6)}
         log.info("disk tier %s: recovered %d objects (%d bytes) in %.3f s; dropped %d torn or partial files",
-                 self.path, out["objects"], out["bytes"], seconds, torn)
+                 self.path, out["objects"], out["bytes"], seconds, dropped)
         return out
-
-    @staticmethod
-    def _recover_one(entry: os.DirEntry, found: dict) -> int:
-        try:
-            record = read_record(entry.path)
-        except (RecordError, OSError) as exc:
-            log.warning("disk tier: dropping %s: %s", entry.name, exc)
-            os.unlink(entry.path)
-            return 1
-        old = found.get(record.key)
-        if old is not None and old[0].generation > record.generation:
-            os.unlink(entry.path)  # an older copy whose replacement completed
-            return 0
-        if old is not None:
-            os.unlink(os.path.join(os.path.dirname(entry.path), old[1]))
-        found[record.key] = (record, entry.name, entry.stat().st_mtime)
-        return 0
 
     # ---- stats and lifecycle ------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -411,34 +385,3 @@ class DiskTier:
         self._pool.clear()
         os.close(self._lock_fd)
         self._lock_fd = -1
-
-
-def _lock_directory(path: str) -> int:
-    if not os.path.isdir(path):
-        raise DiskPathError(f"disk path {path} {'is not a directory' if os.path.exists(path) else 'does not exist'}")
-    lock_path = os.path.join(path, LOCK_NAME)
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise DiskPathError(f"disk path {path} is not writable: {exc.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise DiskPathError(f"disk path {path} is in use by another kvstore process (pid {holder})") from None
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError as exc:
-        os.close(fd)
-        raise DiskPathError(f"disk path {path} is not writable: {exc.strerror}") from None
-    return fd
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
