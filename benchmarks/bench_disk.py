@@ -23,9 +23,7 @@ import contextlib
 import json
 import mmap
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,17 +31,10 @@ import time
 import numpy as np
 
 import kvstore
+from benchmarks.common.daemon import Daemon
+from benchmarks.common.machine import describe, machine
 from kvstore.memory.disk import DiskConfig, DiskTier
 from kvstore.units import format_size, parse_size
-
-
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    return f"{model}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
 
 
 def filesystem(path: str) -> str:
@@ -131,25 +122,10 @@ def tier_embedded(directory: str, size: int, total: int) -> dict:
 
 @contextlib.contextmanager
 def daemon(capacity: int, *args: str):
-    tmp = tempfile.mkdtemp(prefix="kvbench-disk-")
-    sock = os.path.join(tmp, "kv.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix://{sock}",
-                             "--capacity", str(capacity), "--log-level", "warning", *args])
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                kvstore.connect(f"unix://{sock}", timeout=30).close()
-                break
-            except kvstore.StoreConnectionError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("daemon did not start") from None
-                time.sleep(0.05)
-        yield f"unix://{sock}"
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        shutil.rmtree(tmp, ignore_errors=True)
+    """A real ``kvstore serve`` on a Unix socket (the one launcher, ``benchmarks.common.daemon``)."""
+    with Daemon(capacity=str(capacity), tcp=False, args=args, log_level="warning") as d:
+        kvstore.connect(d.unix_url, timeout=60).close()  # answered once start-up (and recovery) is over
+        yield d.unix_url
 
 
 def tier_daemon(directory: str, size: int, total: int) -> dict:
@@ -266,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(base: str, args: argparse.Namespace) -> dict:
     total = parse_size(args.total)
-    results: dict = {"machine": machine(), "filesystem": filesystem(os.path.realpath(base)), "sizes": {}}
+    results: dict = {"machine": describe(), "machine_info": machine(),
+                     "filesystem": filesystem(os.path.realpath(base)), "sizes": {}}
     print(f"machine: {results['machine']}\nfilesystem: {results['filesystem']}\n")
     print(f"{'size':>8} | {'raw O_DIRECT w/r GB/s':>22} | {'buffered w/r GB/s':>18} | {'demote GB/s (x raw)':>20} | "
           f"{'disk get_into GB/s (x raw)':>27} | {'daemon demote':>14} | {'promote (x raw)':>16}")
