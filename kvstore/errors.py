@@ -128,6 +128,27 @@ class ChecksumError(KVStoreError):
     code = "Checksum"
 
 
+class DiskReadError(KVStoreError):
+    """A disk-tier object could not be read back: an I/O error (EIO) or bytes that do not match the
+    checksum written with them (a corrupted or torn file).
+
+    The object was dropped from the disk tier and nothing valid was written to the caller's buffer.
+    Retrying finds the key missing (KeyNotFoundError); recompute it and put it again.
+    """
+
+    code = "DiskRead"
+
+
+class DiskPathError(KVStoreError, OSError):
+    """The disk tier cannot use its path: missing, not a directory, read-only, or locked by another
+    kvstore process.
+
+    Nothing was started. Retrying cannot help until the path is fixed (or the other process exits).
+    """
+
+    code = "DiskPath"
+
+
 class LeaseError(KVStoreError):
     """A lease or pending put named in a request is unknown (already released, expired or revoked).
 

@@ -27,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, token=token, insecure=args.insecure,
                           high_watermark=args.high_watermark, low_watermark=args.low_watermark,
                           heartbeat_timeout=args.heartbeat_timeout, gpu_capacity=parse_size(args.gpu_capacity),
-                          device=args.device, **_limit_options(args))
+                          device=args.device, disk=_disk_config(args), **_limit_options(args))
     if args.cluster:
         from kvstore.cli.cluster import serve as serve_cluster
 
@@ -66,6 +66,21 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
                         "seconds, freeing its reservation or lease (default %(default)s)")
 
 
+def _disk_config(args: argparse.Namespace):
+    if args.disk_path is None:
+        if args.disk_capacity is not None:
+            raise KVStoreError("--disk-capacity needs --disk-path")
+        return None
+    from kvstore.memory.disk import DiskConfig
+
+    if args.disk_capacity is None:
+        raise KVStoreError("--disk-path needs --disk-capacity (e.g. 200GiB)")
+    # stall_s: an eviction runs on the daemon's loop, so it waits at most 1 s for a writer that is more than
+    # the staging area behind, then drops the object from the disk tier (counted) rather than stall everyone
+    return DiskConfig(args.disk_path, parse_size(args.disk_capacity), args.disk_policy, args.disk_promote_after,
+                      stall_s=1.0)
+
+
 def _client(args: argparse.Namespace):
     from kvstore.api import connect
 
@@ -83,6 +98,12 @@ def _stats(args: argparse.Namespace) -> int:
     print(f"capacity      {format_size(cap)}\nused          {format_size(used)} ({100 * used / max(cap, 1):.1f} %)")
     for name in ("objects", "pending", "leases", "evictions", "expirations", "clients", "fragmentation"):
         print(f"{name:<14}{stats[name]}")
+    if "disk_capacity_bytes" in stats:
+        dused, dcap = stats["disk_used_bytes"], stats["disk_capacity_bytes"]
+        print(f"disk tier     {stats['disk_path']} ({stats['disk_policy']})\n"
+              f"disk used     {format_size(dused)} of {format_size(dcap)} ({100 * dused / max(dcap, 1):.1f} %)")
+        for name in ("disk_objects", "demotions", "promotions", "disk_reads", "disk_errors", "disk_dropped"):
+            print(f"{name:<14}{stats[name]}")
     for conn in stats.get("connections", []):
         print(f"client        {conn['client']} via {conn['transport']} ({conn['peer']})")
     return 0
@@ -189,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU memory for objects put from CUDA tensors, e.g. 8GiB: same-host clients reach it by "
                         "CUDA IPC (transport cuda_ipc); needs a CUDA GPU (default 0: none)")
     p.add_argument("--device", type=int, metavar="N", help="CUDA device of --gpu-capacity (default 0)")
+    p.add_argument("--disk-path", metavar="DIR", help="a disk tier in this directory: objects evicted from memory "
+                   "go there (an existing, writable directory, one daemon at a time)")
+    p.add_argument("--disk-capacity", metavar="SIZE", help="bytes the disk tier may use, e.g. 200GiB")
+    p.add_argument("--disk-policy", default="demote", choices=["demote", "write-through"],
+                   help="demote: write objects when memory evicts them; write-through: also at every commit, "
+                   "so they survive a restart (default %(default)s)")
+    p.add_argument("--disk-promote-after", type=int, default=2, metavar="N",
+                   help="the N-th read of a disk object copies it back into memory (default %(default)s)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     p.add_argument("--token-file", help="require the token in this file (mode 0600) from every client; needed "
                    "for tcp:// and ucx:// listeners")

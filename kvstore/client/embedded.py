@@ -16,29 +16,49 @@ from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
 from kvstore.core.master import Master, Replica, describe_replica
 from kvstore.core.meta import ObjectMeta
+from kvstore.core.tiering import Tiering, decode_meta, describe_disk_object, promotion_meta
 from kvstore.core.value import KVObject, Payload
-from kvstore.errors import KVStoreError, StoreConnectionError
+from kvstore.errors import KeyExistsError, KeyNotFoundError, KVStoreError, StoreConnectionError, StoreFullError
+from kvstore.memory.disk import DiskConfig, DiskObject, DiskPolicy, DiskTier
 from kvstore.memory.segment import SegmentSet
+from kvstore.units import parse_size
 
 
 class _Notifier:
-    def __init__(self, cond: threading.Condition):
+    def __init__(self, cond: threading.Condition, tiering: Tiering | None):
         self.cond = cond
+        self.tiering = tiering
 
     def published(self, replica: Replica) -> None:
+        if self.tiering is not None:
+            self.tiering.published(replica)
         self.cond.notify_all()  # called with the lock held
 
     def unpublished(self, replica: Replica) -> None:
-        pass
+        if self.tiering is not None:
+            self.tiering.unpublished(replica)
 
 
 class EmbeddedStore(KVStore):
-    def __init__(self, capacity: int, *, high_watermark: float = 0.9, low_watermark: float = 0.8):
+    def __init__(self, capacity: int, *, high_watermark: float = 0.9, low_watermark: float = 0.8,
+                 disk_path: str | None = None, disk_capacity: int | str | None = None,
+                 disk_policy: str | DiskPolicy = DiskPolicy.DEMOTE, disk_promote_after: int = 2):
+        """With ``disk_path`` (an existing, writable directory) and ``disk_capacity``, objects evicted from
+        memory go to a disk tier there (see ``kvstore.core.tiering``); DiskPathError when it cannot be used."""
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._segments = SegmentSet([capacity], private=True)
+        self._disk = _open_disk(disk_path, disk_capacity, disk_policy, disk_promote_after)
+        self._tiering = None if self._disk is None else Tiering(
+            self._disk, self._replica_view, write_through=self._disk.config.policy is DiskPolicy.WRITE_THROUGH)
+        try:
+            self._segments = SegmentSet([capacity], private=True)
+        except BaseException:
+            if self._disk is not None:
+                self._disk.close()
+            raise
         self._master = Master([capacity], high_watermark=high_watermark, low_watermark=low_watermark,
-                              listener=_Notifier(self._cond))
+                              listener=_Notifier(self._cond, self._tiering),
+                              on_evict=None if self._tiering is None else self._tiering.evicting)
         self._client = self._master.register_client("embedded")
         self.producer = f"embedded:{id(self):x}"
         self._closed = False
@@ -52,6 +72,9 @@ class EmbeddedStore(KVStore):
 
     def _region(self, replica: Replica) -> memoryview:
         return self._segments[replica.segment].view(replica.offset, replica.size)
+
+    def _replica_view(self, replica: Replica) -> memoryview:
+        return self._region(replica)
 
     # ---- primitives ---------------------------------------------------------------------------------
     def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: PutFlags) -> ObjectMeta:
@@ -99,7 +122,12 @@ class EmbeddedStore(KVStore):
                         raise  # already aborted: commit_many aborts all of them when it fails
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
-        lease_id, replica = self._acquire(key)
+        try:
+            lease_id, replica = self._acquire(key)
+        except KeyNotFoundError:
+            if self._disk is None or not self._promote(key, force=False):
+                return self._disk_get_into(key, fit)
+            lease_id, replica = self._acquire(key)
         try:
             size = replica.size
             dst = fit(size)
@@ -111,7 +139,12 @@ class EmbeddedStore(KVStore):
             self._release(lease_id)
 
     def _get(self, key: str, *, copy: bool) -> KVObject:
-        lease_id, replica = self._acquire(key)
+        try:
+            lease_id, replica = self._acquire(key)
+        except KeyNotFoundError:
+            if self._disk is None or not self._promote(key, force=not copy):
+                return self._disk_get(key)
+            lease_id, replica = self._acquire(key)
         region = self._region(replica)
         if not copy:
             return KVObject.wrap(region, replica.meta, on_release=lambda: self._release(lease_id))
@@ -127,7 +160,12 @@ class EmbeddedStore(KVStore):
             return lease.id, lease.replica
 
     def _lease(self, key: str) -> tuple[Any, ObjectMeta]:
-        lease_id, replica = self._acquire(key)
+        try:
+            lease_id, replica = self._acquire(key)
+        except KeyNotFoundError:
+            if self._disk is None or not self._promote(key, force=True):
+                raise
+            lease_id, replica = self._acquire(key)
         return lease_id, replica.meta
 
     def _release(self, handle: Any) -> None:
@@ -138,22 +176,23 @@ class EmbeddedStore(KVStore):
     # ---- metadata -----------------------------------------------------------------------------------
     def _exists(self, key: str) -> bool:
         with self._lock:
-            return self._m().exists(key)
+            return self._m().exists(key) or (self._disk is not None and self._disk.contains(key))
 
     def _evict(self, key: str) -> bool:
         with self._lock:
-            return self._m().evict(key)
+            return self._m().evict(key) or (self._disk is not None and self._disk.discard(key))
 
     def _remove(self, key: str) -> bool:
         with self._lock:
-            return self._m().remove(key)
+            removed = self._m().remove(key)
+            return (self._disk is not None and self._disk.discard(key)) or removed
 
     def _wait(self, keys: Sequence[str], timeout: float) -> str | None:
         deadline = time.monotonic() + timeout
         with self._lock:
             while True:
                 for key in keys:
-                    if self._m().exists(key):
+                    if self._exists(key):
                         return key
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -162,11 +201,17 @@ class EmbeddedStore(KVStore):
 
     def keys(self, prefix: str = "") -> list[str]:
         with self._lock:
-            return self._m().keys(prefix)
+            keys = self._m().keys(prefix)
+            return keys if self._disk is None else sorted(set(keys).union(self._disk.keys(prefix)))
 
     def _inspect(self, key: str) -> dict:
         with self._lock:
-            return describe_replica(self._m().lookup(key), self._m().clock())
+            try:
+                return {**describe_replica(self._m().lookup(key), self._m().clock()), "tier": "host"}
+            except KeyNotFoundError:
+                if self._disk is None:
+                    raise
+                return describe_disk_object(self._disk_object(key))
 
     def device_memory(self) -> StagedDeviceMemory:
         """Device values move through a host buffer (this store holds host memory only)."""
@@ -175,6 +220,8 @@ class EmbeddedStore(KVStore):
     def stats(self) -> dict:
         with self._lock:
             out = self._m().stats()
+            if self._tiering is not None:
+                out.update(self._tiering.stats())
         out["transport"] = "embedded"
         return out
 
@@ -184,4 +231,67 @@ class EmbeddedStore(KVStore):
                 return
             self._closed = True
             self._cond.notify_all()
+        if self._disk is not None:
+            self._disk.close()
         self._segments.close()
+
+    # ---- the disk tier ------------------------------------------------------------------------------
+    def _disk_object(self, key: str) -> DiskObject:
+        obj = self._disk.get(key) if self._disk is not None else None
+        if obj is None:
+            raise KeyNotFoundError(f"key {key!r} not found")
+        return obj
+
+    def _disk_get(self, key: str) -> KVObject:
+        obj = self._disk_object(key)
+        buf = bytearray(obj.size)
+        self._disk.read_into(obj, memoryview(buf))
+        return KVObject.wrap(buf, decode_meta(obj.meta))
+
+    def _disk_get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
+        """Read a disk object straight into the caller's buffer (no promotion)."""
+        obj = self._disk_object(key)
+        self._disk.read_into(obj, fit(obj.size))
+        return obj.size, decode_meta(obj.meta).checksum
+
+    def _promote(self, key: str, *, force: bool) -> bool:
+        """Copy a disk object into memory when the promotion policy says so (or ``force``); False when it
+        stays on disk only (not wanted yet, or it does not fit in memory)."""
+        obj = self._disk_object(key)
+        if not force and not self._disk.wants_promotion(key):
+            return False
+        meta = promotion_meta(obj.meta)
+        with self._lock:
+            try:
+                replica = self._m().begin_put(meta, self._client, if_absent=True)
+            except KeyExistsError:
+                return True  # a writer put a newer version meanwhile: memory holds the key
+            except StoreFullError:
+                return False
+        try:
+            region = self._region(replica)
+            self._disk.read_into(obj, region)
+            region.release()
+        except BaseException:
+            with self._lock:
+                self._master.abort(replica.id)
+            raise
+        with self._lock:
+            self._tiering.promoting(replica.id, obj)
+            try:
+                self._m().commit(replica.id, meta.checksum)
+            except KeyExistsError:
+                self._tiering.aborted(replica.id)
+        return True
+
+
+def _open_disk(path: str | None, capacity: int | str | None, policy: str | DiskPolicy,
+               promote_after: int) -> DiskTier | None:
+    if path is None:
+        if capacity is not None:
+            raise ValueError(f"disk_capacity={capacity!r} needs a disk_path")
+        return None
+    if capacity is None:
+        raise ValueError(f"disk_path={path!r} needs a disk_capacity")
+    return DiskTier(DiskConfig(path, parse_size(capacity), policy, promote_after))
+

@@ -157,9 +157,12 @@ class Master:
     def __init__(self, segment_sizes: list[int], *, high_watermark: float = 0.9, low_watermark: float = 0.8,
                  policy: EvictionPolicy | None = None, alignment: int = 64,
                  clock: Callable[[], float] = time.monotonic, listener: MasterListener | None = None,
-                 tiers: Sequence[Tier] | None = None, quota: ClientQuota | None = None):
+                 tiers: Sequence[Tier] | None = None, quota: ClientQuota | None = None,
+                 on_evict: Callable[[Replica], None] | None = None):
         """``tiers[i]`` is the memory kind of segment ``i`` (all host when omitted); ``quota`` limits each client
-        (unlimited when omitted)."""
+        (unlimited when omitted). ``on_evict(replica)`` is called for each object the cache evicts (``evict`` or
+        to make room), while its bytes are still in place: the owner of the memory may copy them elsewhere (a
+        disk tier demotes them)."""
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(f"need 0 < low <= high <= 1, got low={low_watermark} high={high_watermark}")
         self.allocators = [Allocator(size, alignment) for size in segment_sizes]
@@ -171,6 +174,7 @@ class Master:
         self.high, self.low = high_watermark, low_watermark
         self.policy: EvictionPolicy = policy or LRUPolicy()
         self.listener: MasterListener = listener or _NoListener()
+        self.on_evict = on_evict
         self.clock = clock
         self._live: dict[str, Replica] = {}
         self._pending: dict[int, Replica] = {}
@@ -380,8 +384,7 @@ class Master:
             return False
         if replica.pinned or replica.leases or replica.held:
             raise ObjectBusyError(f"key {key!r} is {'pinned' if replica.pinned else 'leased'}; not evicted")
-        self._unlink(replica)
-        self.evictions += 1
+        self._evict_replica(replica)
         return True
 
     def remove(self, key: str) -> bool:
@@ -525,9 +528,14 @@ class Master:
                 break
         if first is None:
             return False
-        self._unlink(first)
-        self.evictions += 1
+        self._evict_replica(first)
         return True
+
+    def _evict_replica(self, replica: Replica) -> None:
+        if self.on_evict is not None:
+            self.on_evict(replica)
+        self._unlink(replica)
+        self.evictions += 1
 
     def _unlink(self, replica: Replica) -> None:
         """Stop showing ``replica``; free its space now, or when its last lease goes."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvstore.core.quota import ClientQuota
 from kvstore.daemon.limits import Limits
 from kvstore.errors import InvalidArgumentError
+from kvstore.memory.disk import DiskConfig
 from kvstore.protocol.url import Endpoint, default_socket_url
 
 
@@ -32,6 +33,7 @@ class ServerConfig:
     max_connections_per_peer: int = 256
     auth_timeout: float = 5.0
     transfer_timeout: float = 30.0
+    disk: DiskConfig | None = None  # the disk tier (--disk-path, --disk-capacity, --disk-policy)
     endpoints: tuple[Endpoint, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:

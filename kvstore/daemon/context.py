@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from kvstore.core.master import Master
     from kvstore.daemon.config import ServerConfig
+    from kvstore.daemon.disk_io import DiskService
     from kvstore.daemon.metrics import Metrics
     from kvstore.daemon.quarantine import Quarantine
     from kvstore.gpu.memory import GpuMemory
@@ -28,6 +29,7 @@ class DaemonContext(Protocol):
     metrics: Metrics
     quarantine: Quarantine  # revokes clients; holds the space of live same-host ones until they exit
     gpu: GpuMemory | None  # with --gpu-capacity
+    disk: DiskService | None  # with --disk-path
     ucx: Any  # kvstore.transports.ucx_server.UcxDataServer while a --listen ucx:// endpoint runs
     draining: bool
 

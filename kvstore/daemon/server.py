@@ -16,6 +16,7 @@ from os.path import dirname
 
 from kvstore.core.master import LRUPolicy, Master, Replica, Tier
 from kvstore.daemon.config import ServerConfig
+from kvstore.daemon.disk_io import DiskService
 from kvstore.daemon.limits import ConnectionLimits
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.quarantine import Quarantine
@@ -79,6 +80,7 @@ class Server:
         self.connections = ConnectionLimits(config.limits)
         self.ucx = None  # kvstore.transports.ucx_server.UcxDataServer while a --listen ucx:// endpoint runs
         self.gpu: GpuMemory | None = None  # with --gpu-capacity
+        self.disk: DiskService | None = None  # with --disk-path
         self.waiters: dict[str, list[asyncio.Future]] = {}
         self.draining = False
         self._listeners: list[socket.socket] = []
@@ -140,6 +142,9 @@ class Server:
         if self.gpu is not None:  # waits for staging copies and unpins the host segments before they go
             self.gpu.close()
             self.gpu = None
+        if self.disk is not None:  # its queued writes copy from their own staging buffers, not segments
+            self.disk.close(self.config.grace)
+            self.disk = None
         index_shm = getattr(self, "_index_shm", None)
         if index_shm is not None:
             self.index.stop()  # clients that still map it stop reading it
@@ -162,10 +167,15 @@ class Server:
             tiers.append(Tier.GPU)
             log.info("GPU segments: %d bytes on GPU %d (%s); %d bytes of host segments page-locked",
                      cfg.gpu_capacity, self.gpu.device, self.gpu.bus_id, self.gpu.pinned_bytes)
+        if cfg.disk is not None:
+            self.disk = DiskService(cfg.disk, self.segments)
         self.master = Master(sizes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
                              policy=LRUPolicy(self.index.atime), listener=_Publisher(self), tiers=tiers,
-                             quota=cfg.quota)
+                             quota=cfg.quota,
+                             on_evict=self.disk.tiering.evicting if self.disk is not None else None)
         self.quarantine = Quarantine(self.master)
+        if self.disk is not None:
+            self.disk.attach(self.master)
 
     def _bind(self, ep: Endpoint) -> socket.socket:
         if ep.scheme == "unix":
@@ -294,12 +304,16 @@ class Server:
         if self.master.tier_of(replica) is Tier.HOST:  # clients read GPU-resident objects through the daemon
             self.index.publish(meta.key, replica.id, replica.segment, replica.offset, meta.size,
                                replica.expires_at, meta.checksum)
+        if self.disk is not None:
+            self.disk.tiering.published(replica)
         for fut in self.waiters.pop(meta.key, ()):
             if not fut.done():
                 fut.set_result(meta.key)
 
     def on_unpublished(self, replica: Replica) -> None:
         self.index.unpublish(replica.key, replica.id)
+        if self.disk is not None:
+            self.disk.tiering.unpublished(replica)
 
     # ---- services for sessions ----------------------------------------------------------------------
     @property
@@ -341,13 +355,15 @@ class Server:
         out["transports"] = list(self.served_transports)
         if self.gpu is not None:
             out["gpu"] = self.gpu.info()
+        if self.disk is not None:
+            out.update(self.disk.stats())
         out["listen"] = [str(ep) for ep in self.config.endpoints]
         out["pid"] = self.pid
         return out
 
     async def wait_for(self, keys: list[str], timeout: float) -> str | None:
         for key in keys:
-            if self.master.exists(key):
+            if self.master.exists(key) or (self.disk is not None and self.disk.contains(key)):
                 return key
         fut = self.add_waiter(keys)
         try:

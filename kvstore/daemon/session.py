@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.core.master import describe_replica
 from kvstore.core.meta import ObjectMeta
+from kvstore.daemon.disk_ops import DiskOps
 from kvstore.daemon.gpu_ops import GpuOps
 from kvstore.daemon.guards import PeerGone, SessionGuards
 from kvstore.daemon.quarantine import MAPS_MEMORY, PidWatch, peer_cred
@@ -49,7 +50,7 @@ class _Closed(Exception):
     """The peer went away (or framing broke): end the session."""
 
 
-class Session(GpuOps, UcxOps, SessionGuards):
+class Session(GpuOps, UcxOps, DiskOps, SessionGuards):
     def __init__(self, ctx: DaemonContext, sock: socket.socket, peer: str):
         self.ctx, self.sock, self.peer = ctx, sock, peer
         self.master, self.segments, self.metrics = ctx.master, ctx.segments, ctx.metrics
@@ -245,7 +246,7 @@ class Session(GpuOps, UcxOps, SessionGuards):
     def handlers(self) -> dict[str, Handler]:
         """The ops this session serves, each with its handler. Every op's fields are declared in
         ``kvstore.protocol.wire.SCHEMA``; an op declared there but absent here gets a ProtocolError."""
-        return {
+        table = {
             "hello": self.op_hello, "ping": self.op_ping, "put": self.op_put, "commit": self.op_commit,
             "commit_many": self.op_commit_many, "abort": self.op_abort, "get": self.op_get,
             "release": self.op_release, "lease": self.op_lease, "exists": self.op_exists,
@@ -255,6 +256,8 @@ class Session(GpuOps, UcxOps, SessionGuards):
             "cuda_segments": self.op_cuda_segments, "cuda_put": self.op_cuda_put, "cuda_get": self.op_cuda_get,
             "ucx_connect": self.op_ucx_connect, "ucx_claim": self.op_ucx_claim,
         }
+        table.update(self.disk_handlers())  # with --disk-path: the read ops also look on disk (disk_ops)
+        return table
 
     async def op_hello(self, rid: int, f: dict) -> dict:
         server = self.ctx

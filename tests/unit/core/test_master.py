@@ -211,3 +211,23 @@ def test_hole_if_freed():
     assert a.hole_if_freed(y) == 192
     a.free(z)
     assert a.hole_if_freed(y) == 4096
+
+
+def test_on_evict_sees_each_evicted_object_before_its_space_is_freed():
+    seen = []
+    m = Master([100 * 1024], high_watermark=0.85, low_watermark=0.5,
+               on_evict=lambda r: seen.append((r.key, r.live, m.allocators[r.segment].used_bytes)))
+    c = m.register_client()
+    for i in range(8):
+        put(m, c, f"k{i}", 10 * 1024)
+    put(m, c, "new", 10 * 1024)  # eviction to make room
+    assert [k for k, _, _ in seen] == [f"k{i}" for i in range(len(seen))] and len(seen) == m.evictions
+    assert all(live for _, live, _ in seen)  # still in place when the hook runs
+    m.evict("k7")  # an explicit eviction is an eviction too
+    assert seen[-1][0] == "k7"
+    count = len(seen)
+    m.remove("new")  # removal and expiry are not evictions
+    put(m, c, "t", 1024, ttl=0.0001)
+    m.clock = lambda: 1e12
+    m.expire()
+    assert len(seen) == count
