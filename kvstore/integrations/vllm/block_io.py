@@ -1,0 +1,151 @@
+"""BlockIO: moves whole blocks (every layer) between vLLM's paged KV cache and the store.
+
+One stored object is one block: its pages of every layer, back to back, as opaque bytes (the attention
+kernel's in-page packing is named by the layout fingerprint, never interpreted here). This module is the only
+one that touches payload bytes, so the data path can move to the zero-copy page API (``reserve`` /
+``put_pages`` / ``get_pages``) without the connector noticing.
+
+Today's path, on a same-host daemon:
+- save: ``kvstore.ops.gather_pages`` packs the blocks (all layers, one native call) into a staging buffer,
+  then ``batch_put`` writes them (all or nothing): two copies;
+- load: ``get_into`` (the shared-memory index: no round trip) into a staging buffer with the checksum
+  recorded at commit verified, then ``kvstore.ops.scatter_pages`` into the blocks: two copies.
+A CPU-backend page ``[num_kv_heads, block_size, 2 * head_size]`` is contiguous, so it is packed with the
+kernel of a block-major layout whose page has the same element count (a memcpy per page).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore import ops
+from kvstore.client.store import KVStore
+from kvstore.errors import ChecksumError, KeyNotFoundError, KVStoreError, StoreConnectionError
+from kvstore.integrations.vllm.keys import CacheLayout
+from kvstore.layout import KVLayout, KVLayoutKind
+
+STAGING_BYTES = 64 << 20  # blocks are moved in chunks of at most this many bytes (at least one block)
+
+
+@dataclass(slots=True)
+class LoadResult:
+    loaded: int = 0
+    failed_blocks: tuple[int, ...] = ()
+    nbytes: int = 0
+    seconds: float = 0.0
+    checksum_errors: int = 0
+    missing: int = 0
+    connection_lost: bool = False
+
+
+class BlockIO:
+    """Saves and loads blocks of ``caches`` (one tensor per layer, in the layout's layer order)."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], layout: CacheLayout, *, verify: bool = True):
+        self.layout = layout
+        self.verify = verify
+        self._pages = [self._page_view(t, layout) for t in caches]
+        if len(self._pages) != layout.num_layers:
+            raise ValueError(f"expected {layout.num_layers} layer caches, got {len(self._pages)}")
+        self.num_blocks = caches[0].shape[0]
+        # The page kernels see each page as one contiguous run: a block-major layout with pages of the
+        # same element count (see the module docstring).
+        heads, block_size, width = layout.page_shape
+        self._kernel_layout = KVLayout(KVLayoutKind.FLASHINFER_HND, num_layers=layout.num_layers,
+                                       num_kv_heads=heads, head_dim=width // 2, block_size=block_size,
+                                       dtype=caches[0].dtype, model_id=layout.model)
+        self._chunk = max(1, STAGING_BYTES // layout.block_nbytes)
+        self._staging: torch.Tensor | None = None
+
+    @staticmethod
+    def _page_view(cache: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
+        if cache.device.type != "cpu":
+            raise NotImplementedError(f"kvstore's vLLM connector moves CPU caches only, got {cache.device}")
+        if tuple(cache.shape[1:]) != layout.page_shape:
+            raise ValueError(f"KV cache page shape {tuple(cache.shape[1:])} differs from the expected "
+                             f"{layout.page_shape} of {layout.backend}")
+        if str(cache.dtype).removeprefix("torch.") != layout.dtype:
+            raise ValueError(f"KV cache dtype {cache.dtype} differs from the expected {layout.dtype}")
+        if not cache.is_contiguous():
+            raise ValueError(f"KV cache of shape {tuple(cache.shape)} with strides {cache.stride()} is not "
+                             "block-contiguous")
+        heads, block_size, width = layout.page_shape
+        return cache.view(cache.shape[0], 2, heads, block_size, width // 2)
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        shape = ops.packed_shape(self._kernel_layout, n)
+        if self._staging is None or self._staging.shape[0] < n:
+            self._staging = torch.empty(ops.packed_shape(self._kernel_layout, self._chunk),
+                                        dtype=self._kernel_layout.dtype)
+        return self._staging[:n].view(shape)
+
+    def _ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.tensor(list(block_ids), dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise ValueError(f"block ids out of range 0..{self.num_blocks - 1}: {list(block_ids)}")
+        return ids
+
+    # ---- saves ----------------------------------------------------------------------------------------
+    def save(self, store: KVStore, items: Sequence[tuple[str, int]], ttl: float | None = None) -> int:
+        """Store block ``block_id`` under ``key`` for every item; returns the bytes written.
+
+        Each chunk is one ``batch_put`` (all or nothing). Raises the store's errors (the caller decides
+        what a failure means); a chunk already written stays written."""
+        written = 0
+        for start in range(0, len(items), self._chunk):
+            chunk = items[start:start + self._chunk]
+            packed = self._buffer(len(chunk))
+            ops.gather_pages(self._pages, self._ids([b for _, b in chunk]), packed, layout=self._kernel_layout)
+            flat = packed.view(len(chunk), -1)
+            store.batch_put([(key, flat[i]) for i, (key, _) in enumerate(chunk)], ttl=ttl)
+            written += len(chunk) * self.layout.block_nbytes
+        return written
+
+    # ---- loads ----------------------------------------------------------------------------------------
+    def load(self, store: KVStore, items: Sequence[tuple[str, int]]) -> LoadResult:
+        """Load every item's key into its block. A block whose object is missing, corrupt (checksum) or
+        unreadable is reported in ``failed_blocks`` (its cache bytes are then undefined: vLLM recomputes
+        it). A lost connection (``connection_lost``) fails the remaining blocks too."""
+        result = LoadResult()
+        failed: list[int] = []
+        start_time = time.perf_counter()
+        for start in range(0, len(items), self._chunk):
+            chunk = items[start:start + self._chunk]
+            packed = self._buffer(len(chunk))
+            flat = packed.view(len(chunk), -1)
+            good: list[int] = []
+            for i, (key, block_id) in enumerate(chunk):
+                try:
+                    store.get_into(key, flat[i], verify=self.verify)
+                    good.append(i)
+                except StoreConnectionError:
+                    result.connection_lost = True
+                    failed.extend(b for _, b in items[start + i:])
+                    break
+                except ChecksumError:
+                    result.checksum_errors += 1
+                    failed.append(block_id)
+                except KeyNotFoundError:
+                    result.missing += 1
+                    failed.append(block_id)
+                except KVStoreError:
+                    failed.append(block_id)
+            self._scatter(packed, chunk, good)
+            result.loaded += len(good)
+            if result.connection_lost:
+                break
+        result.failed_blocks = tuple(failed)
+        result.nbytes = result.loaded * self.layout.block_nbytes
+        result.seconds = time.perf_counter() - start_time
+        return result
+
+    def _scatter(self, packed: torch.Tensor, chunk: Sequence[tuple[str, int]], good: list[int]) -> None:
+        if not good:
+            return
+        src = packed if len(good) == len(chunk) else packed[torch.tensor(good, dtype=torch.int64)].contiguous()
+        ids = self._ids([chunk[i][1] for i in good])
+        ops.scatter_pages(src, ids, self._pages, layout=self._kernel_layout)

@@ -1,0 +1,61 @@
+"""ConnectorConfig: the connector's options, read once from ``kv_connector_extra_config``.
+
+    kv_connector_extra_config={"url": "unix:///run/kvstore.sock", "timeout_s": 5, ...}
+
+``url`` defaults to ``$KVSTORE_URL``. Unknown keys and wrong types are refused at engine start with a
+ValueError naming the key, so a typo never silently turns the cache off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    url: str
+    #: Deadline of every store call, seconds (a stuck daemon costs at most this, then the call is a fault).
+    timeout_s: float = 5.0
+    #: After a fault, the next attempt to reconnect waits this long (calls meanwhile skip the store).
+    retry_s: float = 2.0
+    #: True: engine start fails with a clear error when no store answers at ``url``. False: start degraded
+    #: (every lookup misses, saves are dropped, reconnects every ``retry_s``).
+    require_store_at_start: bool = True
+    #: Verify every loaded block against the checksum recorded at commit (a mismatch is a load error).
+    verify: bool = True
+    #: Seconds a saved block lives in the store (None: until evicted).
+    ttl_s: float | None = None
+    #: False: the connector sets vLLM's ``kv_load_failure_policy`` to "recompute" (a store fault never
+    #: fails a request). True: leave vLLM's policy as configured.
+    keep_load_failure_policy: bool = False
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(fields))
+        if unknown:
+            raise ValueError(f"kvstore connector: unknown kv_connector_extra_config keys {unknown}; "
+                             f"known: {sorted(fields)}")
+        url = extra.pop("url", None) or os.environ.get("KVSTORE_URL")
+        if not isinstance(url, str) or not url:
+            raise ValueError("kvstore connector: set kv_connector_extra_config['url'] (e.g. "
+                             "'unix:///run/kvstore.sock') or $KVSTORE_URL")
+        for name, value in extra.items():
+            _check(name, value, fields[name].default)
+        return cls(url=url, **extra)
+
+
+def _check(name: str, value: Any, default: Any) -> None:
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, float) or default is None:
+        ok = (value is None and default is None) or (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
+    else:
+        ok = True
+    if not ok:
+        raise ValueError(f"kvstore connector: kv_connector_extra_config[{name!r}] = {value!r} is invalid "
+                         f"(expected {'a bool' if isinstance(default, bool) else 'a positive number'})")

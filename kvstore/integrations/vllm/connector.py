@@ -1,0 +1,134 @@
+"""KVStoreConnector: kvstore as a vLLM V1 KV connector (shared prefix cache, and prefill/decode hand-off).
+
+    from vllm.config import KVTransferConfig
+    KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
+                     kv_role="kv_both",  # or kv_producer / kv_consumer
+                     kv_connector_extra_config={"url": "unix:///run/kvstore.sock"})
+
+vLLM builds one instance in the scheduler (:class:`~.scheduler.SchedulerSide`) and one per worker
+(:class:`~.worker.WorkerSide`); this class only routes vLLM's calls to the right half. ``docs/vllm.md`` has
+the keys, the fault behaviour and the measured costs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvstore.errors import StoreConnectionError
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.keys import layout_from_vllm_config
+from kvstore.integrations.vllm.scheduler import KVStoreConnectorMetadata, SchedulerSide
+from kvstore.integrations.vllm.stats import Counters, KVStoreConnectorStats
+from kvstore.integrations.vllm.store_link import CONNECTION_ERRORS, log
+from kvstore.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_connectors() -> list[KVStoreConnector]:
+    """The connectors alive in this process (tests and benchmarks read their :attr:`counters`)."""
+    return list(_LIVE)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        self.kv_role = str(transfer.kv_role or "kv_both")
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise NotImplementedError("kvstore's vLLM connector does not support pipeline parallelism yet")
+        self.counters = Counters()
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if role == KVConnectorRole.SCHEDULER:
+            layouts = [layout_from_vllm_config(vllm_config, kv_cache_config, r) for r in range(tp_size)]
+            self._scheduler = SchedulerSide(self.config, layouts, self.kv_role, vllm_config.cache_config.block_size,
+                                            self.counters)
+            self._connect_at_start(self._scheduler.link)
+            if not self.config.keep_load_failure_policy and transfer.kv_load_failure_policy != "recompute":
+                # A store fault must never fail a request: vLLM recomputes blocks reported as load errors.
+                transfer.kv_load_failure_policy = "recompute"
+                log.info("kvstore connector: kv_load_failure_policy set to 'recompute'")
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            layout = layout_from_vllm_config(vllm_config, kv_cache_config, get_tensor_model_parallel_rank())
+            layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+            self._worker = WorkerSide(self.config, layout, layer_names, self.counters)
+            self._connect_at_start(self._worker.link)
+        _LIVE.add(self)
+
+    def _connect_at_start(self, link: Any) -> None:
+        try:
+            link.connect()
+        except CONNECTION_ERRORS as exc:
+            if self.config.require_store_at_start:
+                raise StoreConnectionError(
+                    f"kvstore connector: no kvstore daemon answers at {self.config.url} ({exc}). Start one with "
+                    f"`kvstore serve --listen {self.config.url}`, or pass require_store_at_start=False in "
+                    "kv_connector_extra_config to start without it (lookups miss and saves are dropped until "
+                    "it is reachable)") from None
+            link.fault(exc)
+
+    # ---- scheduler side -------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ---- worker side ----------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # all layers are saved together in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self._worker.wait_for_save(self._metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker else set()
+
+    def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        data = self._worker.take_interval_stats() if self._worker else None
+        return None if data is None else KVStoreConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStoreConnectorStats:
+        return KVStoreConnectorStats(data=data) if data is not None else KVStoreConnectorStats()
+
+    def _metadata(self) -> KVStoreConnectorMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVStoreConnectorMetadata):
+            raise TypeError(f"kvstore connector got {type(meta).__name__} metadata")
+        return meta
+
+    def shutdown(self) -> None:
+        for half in (self._scheduler, self._worker):
+            if half is not None:
+                half.shutdown()

@@ -1,0 +1,138 @@
+"""Stable block keys for vLLM's paged KV cache: the layout fingerprint and the chained content hash.
+
+A block's key names everything that decides its bytes: the tokens up to and including it (a chained
+blake2b over their ids, so a block's key also commits to every block before it), and the layout of the
+cache it came from (:class:`CacheLayout`: model, dtype, block size, attention backend and its in-page
+packing, geometry, TP rank and size). Two engines share a key only if they would have computed the same
+bytes, so a consumer with another dtype, block size or kernel packing never gets a false hit. Nothing
+here depends on Python's ``hash()`` or on ``PYTHONHASHSEED``: keys are equal across processes, machines
+and restarts.
+
+No vLLM import at module level: the scheduler and worker halves pass a ``VllmConfig`` in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+# Bumped whenever the packed block format or the key derivation changes.
+KEY_VERSION = 1
+KEY_PREFIX = "vllm"
+_PERSON = b"kvstore.vllm"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """What two vLLM instances must agree on for one saved block to be valid in the other.
+
+    ``packing`` is the attention kernel's in-page order of K and V (for the CPU backend its ISA: ``amx``,
+    ``vec``, ``vec16``, ``neon``...); ``page_shape`` is one block of one layer as the cache tensor holds it.
+    """
+
+    backend: str
+    packing: str
+    cache_layout: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    page_shape: tuple[int, ...]
+    model: str
+    revision: str
+    tp_rank: int
+    tp_size: int
+    pp_rank: int = 0
+    lora: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["page_shape"] = list(self.page_shape)
+        return out
+
+    @property
+    def itemsize(self) -> int:
+        return {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}.get(self.dtype, 1)
+
+    @property
+    def page_nbytes(self) -> int:
+        n = self.itemsize
+        for d in self.page_shape:
+            n *= d
+        return n
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across all layers (what one stored object holds)."""
+        return self.num_layers * self.page_nbytes
+
+    def fingerprint(self) -> str:
+        """Hex blake2b-128 of every field and :data:`KEY_VERSION`; equal across processes and machines."""
+        canonical = json.dumps({"version": KEY_VERSION, **self.to_dict()}, sort_keys=True,
+                               separators=(",", ":"), ensure_ascii=True)
+        return hashlib.blake2b(canonical.encode("ascii"), digest_size=16, person=_PERSON).hexdigest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, root: str, *, start: int = 0,
+                 previous: bytes | None = None) -> list[bytes]:
+    """Chained blake2b-128 digests of the full blocks of ``token_ids`` from block ``start`` on.
+
+    ``h[i] = blake2b(h[i-1] || int64 little-endian ids of block i)``, with ``h[-1] = blake2b(root)``; pass
+    ``previous`` (the digest of block ``start - 1``) to extend an earlier result without rehashing."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if previous is None:
+        if start != 0:
+            raise ValueError("extending from block start > 0 needs the previous block's digest")
+        previous = hashlib.blake2b(root.encode(), digest_size=16, person=_PERSON).digest()
+    out: list[bytes] = []
+    for first in range(start * block_size, len(token_ids) - block_size + 1, block_size):
+        h = hashlib.blake2b(previous, digest_size=16, person=_PERSON)
+        h.update(np.asarray(token_ids[first:first + block_size], dtype="<i8").tobytes())
+        previous = h.digest()
+        out.append(previous)
+    return out
+
+
+def block_key(fingerprint: str, digest: bytes) -> str:
+    """The store key of one block: ``vllm/<layout fingerprint>/<chained digest>`` (ASCII, 72 chars)."""
+    return f"{KEY_PREFIX}/{fingerprint}/{digest.hex()}"
+
+
+def layout_from_vllm_config(vllm_config: Any, kv_cache_config: Any, tp_rank: int = 0) -> CacheLayout:
+    """The :class:`CacheLayout` of TP rank ``tp_rank`` for ``vllm_config`` (same answer in scheduler and
+    worker, so the scheduler can look up every rank's keys).
+
+    Supports the CPU attention backend (``CPU_ATTN``, per layer ``[num_blocks, num_kv_heads, block_size,
+    2 * head_size]``); other platforms raise NotImplementedError naming what was found."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise NotImplementedError(f"kvstore's vLLM connector supports the CPU attention backend only; this "
+                                  f"platform is {current_platform.device_type!r}")
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise NotImplementedError(f"kvstore's vLLM connector supports one KV-cache group, got {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    dtype = str(spec.dtype).removeprefix("torch.")
+    packing = _get_attn_isa(model.dtype, spec.block_size, spec.head_size, cache.cache_dtype)
+    return CacheLayout(
+        backend=CPUAttentionBackend.get_name(), packing=packing,
+        cache_layout=str(getattr(kv_cache_config, "kv_cache_layout", "")), dtype=dtype,
+        kv_cache_dtype=str(cache.cache_dtype), block_size=spec.block_size, num_layers=len(groups[0].layer_names),
+        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+        page_shape=(spec.num_kv_heads, spec.block_size, 2 * spec.head_size),
+        model=str(model.model), revision=str(model.revision or ""), tp_rank=tp_rank,
+        tp_size=parallel.tensor_parallel_size, pp_rank=0)

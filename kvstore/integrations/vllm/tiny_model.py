@@ -1,0 +1,39 @@
+"""A tiny randomly initialised Llama for tests and benchmarks, built offline (no download).
+
+Greedy decoding of random weights is deterministic for a given directory, which is all a KV-connector test
+needs: the same prompt must give the same tokens whether its KV was computed or loaded. Prompts are token
+ids (engines run with ``skip_tokenizer_init=True``), so no tokenizer is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+TINY_CONFIG = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+               "max_position_embeddings": 16384, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+_MARKER = "kvstore-tiny-model.json"
+
+
+def build_tiny_llama(directory: str, *, seed: int = 0, dtype: str = "float32") -> str:
+    """Write a tiny Llama (safetensors + config.json) into ``directory`` unless it is already there; return it.
+
+    Needs ``transformers`` (the ``vllm`` extra). ``dtype`` is the checkpoint's torch dtype name."""
+    marker = os.path.join(directory, _MARKER)
+    wanted = {"config": TINY_CONFIG, "seed": seed, "dtype": dtype}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == wanted:
+                return directory
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**TINY_CONFIG, torch_dtype=dtype)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    os.makedirs(directory, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    with open(marker, "w") as f:
+        json.dump(wanted, f)
+    return directory

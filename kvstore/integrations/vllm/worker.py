@@ -1,0 +1,117 @@
+"""WorkerSide: the connector's half in each vLLM worker: registers the caches, loads and saves blocks.
+
+Loads run in ``start_load_kv`` before the forward pass (synchronously: on CPU the copy competes with the
+model for the same cores, so overlapping buys nothing); saves run in ``wait_for_save`` after it, once per
+step for every layer. Every failure is local to the blocks it touches: a load failure is reported through
+``get_block_ids_with_load_errors`` (vLLM recomputes those blocks), a failed save is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm.block_io import BlockIO
+from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.keys import CacheLayout, block_key
+from kvstore.integrations.vllm.scheduler import KVStoreConnectorMetadata
+from kvstore.integrations.vllm.stats import Counters
+from kvstore.integrations.vllm.store_link import CONNECTION_ERRORS, StoreLink, StoreUnavailable, log
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, layout: CacheLayout, layer_names: list[str], counters: Counters):
+        self.config = config
+        self.layout = layout
+        self.fingerprint = layout.fingerprint()
+        self.layer_names = layer_names
+        self.counters = counters          # totals since start
+        self.interval = Counters()        # since the last get_kv_connector_stats
+        self.link = StoreLink(config.url, timeout=config.timeout_s, retry_s=config.retry_s, name="worker")
+        self.io: BlockIO | None = None
+        self._load_errors: set[int] = set()
+        self._warned_save_error = False
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [name for name in self.layer_names if name not in kv_caches]
+        if missing:
+            raise ValueError(f"kvstore connector: no KV cache registered for layers {missing}")
+        self.io = BlockIO([kv_caches[name] for name in self.layer_names], self.layout, verify=self.config.verify)
+        log.info("kvstore worker: %d layers, %s/%s %s, block %d tokens = %d bytes, layout %s", len(self.layer_names),
+                 self.layout.backend, self.layout.packing, self.layout.dtype, self.layout.block_size,
+                 self.layout.block_nbytes, self.fingerprint)
+
+    def _count(self, **deltas: float) -> None:
+        for name, value in deltas.items():
+            setattr(self.counters, name, getattr(self.counters, name) + value)
+            setattr(self.interval, name, getattr(self.interval, name) + value)
+
+    # ---- loads ----------------------------------------------------------------------------------------
+    def start_load_kv(self, meta: KVStoreConnectorMetadata) -> None:
+        for transfer in meta.loads:
+            items = [(block_key(self.fingerprint, bytes.fromhex(d)), b)
+                     for d, b in zip(transfer.digests, transfer.block_ids, strict=True)]
+            try:
+                store = self.link.client()
+            except StoreUnavailable:
+                self._fail_load(transfer.block_ids)
+                continue
+            result = self.io.load(store, items)
+            if result.connection_lost:
+                self.link.fault(ConnectionError("connection lost during a load"))
+                self._count(store_faults=1)
+            if result.failed_blocks:
+                self._fail_load(result.failed_blocks)
+            self._count(loaded_blocks=result.loaded, load_bytes=result.nbytes, load_seconds=result.seconds,
+                        checksum_errors=result.checksum_errors, missing_blocks=result.missing)
+            if result.checksum_errors:
+                log.warning("kvstore worker: %d block(s) of request %s failed their checksum; recomputing them",
+                            result.checksum_errors, transfer.req_id)
+
+    def _fail_load(self, block_ids) -> None:
+        self._load_errors.update(block_ids)
+        self._count(load_errors=len(block_ids))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._load_errors = self._load_errors, set()
+        return failed
+
+    # ---- saves ----------------------------------------------------------------------------------------
+    def wait_for_save(self, meta: KVStoreConnectorMetadata) -> None:
+        items = [(block_key(self.fingerprint, bytes.fromhex(d)), b)
+                 for transfer in meta.saves for d, b in zip(transfer.digests, transfer.block_ids, strict=True)]
+        if not items:
+            return
+        try:
+            store = self.link.client()
+        except StoreUnavailable:
+            self._count(dropped_saves=len(items))
+            return
+        start = time.perf_counter()
+        try:
+            nbytes = self.io.save(store, items, ttl=self.config.ttl_s)
+        except CONNECTION_ERRORS as exc:
+            self.link.fault(exc)
+            self._count(dropped_saves=len(items), store_faults=1)
+            return
+        except KVStoreError as exc:  # store full of pinned data, a bad key...: drop, warn once
+            self._count(dropped_saves=len(items))
+            if not self._warned_save_error:
+                self._warned_save_error = True
+                log.warning("kvstore worker: dropping saves (%s: %s); further drops are only counted",
+                            type(exc).__name__, exc)
+            return
+        self._count(saved_blocks=len(items), save_bytes=nbytes, save_seconds=time.perf_counter() - start)
+
+    def take_interval_stats(self) -> dict[str, Any] | None:
+        data = self.interval.as_dict()
+        if not any(data.values()):
+            return None
+        self.interval = Counters()
+        return data
+
+    def shutdown(self) -> None:
+        self.link.close()
