@@ -16,6 +16,8 @@ from typing import Any
 @dataclasses.dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     url: str
+    #: Data path to the daemon: "auto" (shared memory on the same host, else TCP), "shm" or "tcp".
+    transport: str = "auto"
     #: Deadline of every store call, seconds (a stuck daemon costs at most this, then the call is a fault).
     timeout_s: float = 5.0
     #: After a fault, the next attempt to reconnect waits this long (calls meanwhile skip the store).
@@ -45,6 +47,8 @@ class ConnectorConfig:
                              "'unix:///run/kvstore.sock') or $KVSTORE_URL")
         for name, value in extra.items():
             _check(name, value, fields[name].default)
+        if extra.get("transport", "auto") not in ("auto", "shm", "tcp"):
+            raise ValueError(f"kvstore connector: transport must be 'auto', 'shm' or 'tcp', got {extra['transport']!r}")
         return cls(url=url, **extra)
 
 
@@ -54,8 +58,16 @@ def _check(name: str, value: Any, default: Any) -> None:
     elif isinstance(default, float) or default is None:
         ok = (value is None and default is None) or (
             isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
     else:
         ok = True
     if not ok:
         raise ValueError(f"kvstore connector: kv_connector_extra_config[{name!r}] = {value!r} is invalid "
-                         f"(expected {'a bool' if isinstance(default, bool) else 'a positive number'})")
+                         f"(expected {_expected(default)})")
+
+
+def _expected(default: Any) -> str:
+    if isinstance(default, bool):
+        return "a bool"
+    return "a str" if isinstance(default, str) else "a positive number"

@@ -106,6 +106,11 @@ def block_key(fingerprint: str, digest: bytes) -> str:
     return f"{KEY_PREFIX}/{fingerprint}/{digest.hex()}"
 
 
+def layout_key(fingerprint: str) -> str:
+    """Where a worker publishes the :class:`CacheLayout` of ``fingerprint`` (JSON, also as the object's meta)."""
+    return f"{KEY_PREFIX}/{fingerprint}/layout"
+
+
 def layout_from_vllm_config(vllm_config: Any, kv_cache_config: Any, tp_rank: int = 0) -> CacheLayout:
     """The :class:`CacheLayout` of TP rank ``tp_rank`` for ``vllm_config`` (same answer in scheduler and
     worker, so the scheduler can look up every rank's keys).

@@ -57,7 +57,8 @@ class SchedulerSide:
         self.block_size = block_size
         self.counters = counters
         self.root = "vllm-prompt"
-        self.link = StoreLink(config.url, timeout=config.timeout_s, retry_s=config.retry_s, name="scheduler")
+        self.link = StoreLink(config.url, timeout=config.timeout_s, retry_s=config.retry_s,
+                              transport=config.transport, name="scheduler")
         self._requests: dict[str, _Request] = {}
 
     # ---- lookups --------------------------------------------------------------------------------------

@@ -29,9 +29,10 @@ class StoreUnavailable(Exception):
 class StoreLink:
     """Lazily connected client of ``url``; ``open`` is the factory (``kvstore.connect`` by default)."""
 
-    def __init__(self, url: str, *, timeout: float, retry_s: float, name: str,
-                 open: Callable[[str, float], KVStore] | None = None):
+    def __init__(self, url: str, *, timeout: float, retry_s: float, name: str, transport: str = "auto",
+                 open: Callable[[str, float, str], KVStore] | None = None):
         self.url = url
+        self.transport = transport
         self.timeout = timeout
         self.retry_s = retry_s
         self.name = name
@@ -46,7 +47,7 @@ class StoreLink:
         """Connect now; raises the store's StoreConnectionError (with the URL) when it is unreachable."""
         with self._lock:
             if self._client is None:
-                self._client = self._open(self.url, self.timeout)
+                self._client = self._open(self.url, self.timeout, self.transport)
                 if self._down_since is not None:
                     log.warning("kvstore %s: store at %s is reachable again after %.1f s; resuming loads and "
                                 "saves", self.name, self.url, time.monotonic() - self._down_since)
@@ -95,7 +96,7 @@ class StoreLink:
             client.close()
 
 
-def _connect(url: str, timeout: float) -> KVStore:
+def _connect(url: str, timeout: float, transport: str) -> KVStore:
     import kvstore
 
-    return kvstore.connect(url, timeout=timeout, client_name="vllm-connector")
+    return kvstore.connect(url, timeout=timeout, transport=transport, client_name="vllm-connector")

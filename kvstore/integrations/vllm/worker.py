@@ -8,6 +8,7 @@ step for every layer. Every failure is local to the blocks it touches: a load fa
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.block_io import BlockIO
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.keys import CacheLayout, block_key
+from kvstore.integrations.vllm.keys import CacheLayout, block_key, layout_key
 from kvstore.integrations.vllm.scheduler import KVStoreConnectorMetadata
 from kvstore.integrations.vllm.stats import Counters
 from kvstore.integrations.vllm.store_link import CONNECTION_ERRORS, StoreLink, StoreUnavailable, log
@@ -30,7 +31,8 @@ class WorkerSide:
         self.layer_names = layer_names
         self.counters = counters          # totals since start
         self.interval = Counters()        # since the last get_kv_connector_stats
-        self.link = StoreLink(config.url, timeout=config.timeout_s, retry_s=config.retry_s, name="worker")
+        self.link = StoreLink(config.url, timeout=config.timeout_s, retry_s=config.retry_s,
+                              transport=config.transport, name="worker")
         self.io: BlockIO | None = None
         self._load_errors: set[int] = set()
         self._warned_save_error = False
@@ -43,6 +45,16 @@ class WorkerSide:
         log.info("kvstore worker: %d layers, %s/%s %s, block %d tokens = %d bytes, layout %s", len(self.layer_names),
                  self.layout.backend, self.layout.packing, self.layout.dtype, self.layout.block_size,
                  self.layout.block_nbytes, self.fingerprint)
+        self._publish_layout()
+
+    def _publish_layout(self) -> None:
+        """Store the layout next to the blocks (``vllm/<fingerprint>/layout``) so that ``kvstore ls`` and
+        ``kvstore inspect`` show what the blocks under a fingerprint are. Best effort."""
+        key = layout_key(self.fingerprint)
+        try:
+            self.link.client().put(key, json.dumps(self.layout.to_dict()).encode(), meta=self.layout.to_dict())
+        except (StoreUnavailable, KVStoreError, *CONNECTION_ERRORS) as exc:
+            log.info("kvstore worker: layout not published under %s (%s)", key, exc)
 
     def _count(self, **deltas: float) -> None:
         for name, value in deltas.items():

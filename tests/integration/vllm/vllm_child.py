@@ -28,7 +28,7 @@ def build_llm(args):
                                                     kv_role=args.role, kv_connector_extra_config=extra)
     return LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
                kv_cache_memory_bytes=args.kv_bytes, max_model_len=args.max_model_len, enforce_eager=True,
-               enable_prefix_caching=True, seed=0, **kw)
+               enable_prefix_caching=not args.no_prefix_cache, seed=0, **kw)
 
 
 def main() -> int:
@@ -45,6 +45,7 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-bytes", type=int, default=64 << 20)
     p.add_argument("--batches", type=int, default=1)
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable vLLM's own prefix cache")
     args = p.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import SamplingParams

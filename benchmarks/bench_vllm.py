@@ -1,0 +1,281 @@
+"""kvstore inside vLLM (CPU): time to first token on a prefix hit vs recomputing it, the connector's cost
+on a miss, and the connector's load/save bandwidth against a memcpy of the same bytes, all in one run.
+
+    python -m benchmarks.bench_vllm                       # the tiny random Llama, 1k/4k/8k-token prompts
+    python -m benchmarks.bench_vllm --model DIR --tokens 2048,8192 --repeats 9 --json out.json
+
+Variants, each a fresh single-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) in its own process, on
+the same prompts (fixed seed): ``none`` (no connector), ``kvstore`` (KVStoreConnector, kv_both, a
+``kvstore serve`` daemon started for the run) and ``example`` (vLLM's ExampleConnector, its disk-backed
+reference, under a temporary directory), the in-run anchor. vLLM's MooncakeStoreConnector is not measured:
+Mooncake is not installed here.
+
+TTFT is the wall time of ``generate`` of one prompt with ``max_tokens=1``. A miss is a prompt never seen
+(for the connectors it includes the lookup and saving every full block); a hit is the same prompt again
+after ``reset_prefix_cache()``, so vLLM's own cache is empty and every full block but the last token's
+comes from the connector. Load/save GB/s are the connector's own ``BlockIO`` moving the blocks of the
+longest prompt through the daemon, against ``torch`` copying the same number of bytes, interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+DEFAULT_TOKENS = "1024,4096,8192"
+VARIANTS = ("none", "kvstore", "example")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = (len(ordered) - 1) * q / 100
+    lo, hi = int(rank), min(int(rank) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values) if values else float("nan"), "p99": percentile(values, 99),
+            "n": len(values)}
+
+
+# ---- one engine (a child process) ------------------------------------------------------------------------
+def transfer_config(variant: str, url: str, workdir: str):
+    from vllm.config import KVTransferConfig
+
+    if variant == "kvstore":
+        return KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
+                                kv_role="kv_both", kv_connector_extra_config={"url": url})
+    if variant == "example":
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"shared_storage_path": os.path.join(workdir, "example")})
+    return None
+
+
+def time_prompt(llm, params, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def engine_main(args) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    lengths = [int(t) for t in args.tokens.split(",")]
+    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
+              max_model_len=max(lengths) + 16, enforce_eager=True, enable_prefix_caching=True, seed=0,
+              kv_transfer_config=transfer_config(args.worker, args.url, args.workdir))
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rng = random.Random(args.seed)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prompt = lambda n: [rng.randrange(3, vocab) for _ in range(n)]
+    for _ in range(2):  # warm-up: first-call allocations, lazy imports, the connector's first connection
+        time_prompt(llm, params, prompt(256))
+        llm.reset_prefix_cache()
+    samples: dict[str, dict[str, list[float]]] = {str(n): {"miss": [], "hit": []} for n in lengths}
+    for _ in range(args.repeats):
+        for n in lengths:
+            p = prompt(n)
+            samples[str(n)]["miss"].append(time_prompt(llm, params, p))
+            llm.reset_prefix_cache()
+            if args.worker != "none":
+                samples[str(n)]["hit"].append(time_prompt(llm, params, p))
+                llm.reset_prefix_cache()
+    out = {"variant": args.worker, "ttft": samples}
+    if args.worker == "kvstore":
+        out["io"] = io_bench(max(lengths), args.repeats)
+        out["counters"] = connector_counters()
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+
+
+def connector_counters() -> dict:
+    from kvstore.integrations.vllm import live_connectors
+
+    total: dict = {}
+    for conn in live_connectors():
+        for k, v in conn.counters.as_dict().items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def io_bench(tokens: int, repeats: int) -> dict:
+    """The worker's BlockIO saving and loading the blocks of ``tokens`` tokens vs torch memcpy, interleaved."""
+    import torch
+
+    from kvstore.integrations.vllm import live_connectors
+
+    (worker,) = [c._worker for c in live_connectors() if c._worker is not None]
+    store, io = worker.link.client(), worker.io
+    n = max(1, tokens // io.layout.block_size)
+    items = [(f"bench-vllm/{os.getpid()}/{i}", i) for i in range(n)]
+    nbytes = n * io.layout.block_nbytes
+    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst.copy_(src)
+    times: dict[str, list[float]] = {"save": [], "load": [], "memcpy": [], "round_trip": []}
+    for _ in range(max(5, repeats)):
+        t0 = time.perf_counter()
+        io.save(store, items)
+        t1 = time.perf_counter()
+        result = io.load(store, items)
+        t2 = time.perf_counter()
+        dst.copy_(src)
+        t3 = time.perf_counter()
+        store.exists(items[0][0])
+        t4 = time.perf_counter()
+        if result.failed_blocks:
+            raise RuntimeError(f"benchmark load failed for blocks {result.failed_blocks}")
+        for name, dt in zip(("save", "load", "memcpy", "round_trip"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3),
+                            strict=True):
+            times[name].append(dt)
+    for key, _ in items:
+        store.remove(key)
+    return {"blocks": n, "bytes": nbytes, "times": times}
+
+
+# ---- the driver ------------------------------------------------------------------------------------------
+def run_variant(variant: str, args, url: str, workdir: str) -> dict:
+    out = os.path.join(workdir, f"{variant}.json")
+    cmd = [sys.executable, "-m", "benchmarks.bench_vllm", "--worker", variant, "--out", out, "--url", url,
+           "--workdir", workdir, "--model", args.model, "--tokens", args.tokens, "--repeats", str(args.repeats),
+           "--dtype", args.dtype, "--kv-bytes", str(args.kv_bytes), "--seed", str(args.seed)]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"[{variant}] failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return {"variant": variant, "error": proc.stderr[-3000:]}
+    with open(out) as f:
+        return json.load(f)
+
+
+def start_daemon(workdir: str, capacity: str) -> tuple[subprocess.Popen, str]:
+    import kvstore
+
+    url = f"unix://{workdir}/kv.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--listen", url, "--capacity", capacity],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            kvstore.connect(url, timeout=1.0).close()
+            return proc, url
+        except kvstore.StoreConnectionError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"kvstore daemon did not start at {url}")
+
+
+def machine() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        name = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def table(results: dict[str, dict], lengths: list[str]) -> tuple[list[dict], dict]:
+    rows = []
+    none = results.get("none", {}).get("ttft", {})
+    for n in lengths:
+        base = summary(none.get(n, {}).get("miss", []))
+        rows.append({"tokens": int(n), "variant": "none", "case": "recompute", **_ms(base), "vs_recompute": 1.0})
+        for variant in ("kvstore", "example"):
+            ttft = results.get(variant, {}).get("ttft", {}).get(n)
+            if not ttft:
+                continue
+            for case in ("miss", "hit"):
+                s = summary(ttft[case])
+                rows.append({"tokens": int(n), "variant": variant, "case": case, **_ms(s),
+                             "vs_recompute": s["median"] / base["median"] if base["n"] else float("nan")})
+    io = results.get("kvstore", {}).get("io")
+    bandwidth = {}
+    if io:
+        for name in ("save", "load", "memcpy"):
+            s = summary(io["times"][name])
+            bandwidth[name] = {"GBps": io["bytes"] / s["median"] / 1e9, "median_ms": s["median"] * 1e3,
+                               "p99_ms": s["p99"] * 1e3}
+        rtt = statistics.median(io["times"]["round_trip"])
+        bandwidth["round_trip_us"] = rtt * 1e6
+        bandwidth["bytes"] = io["bytes"]
+        bandwidth["load_vs_memcpy_plus_rtt"] = (bandwidth["load"]["median_ms"] / 1e3
+                                                / (bandwidth["memcpy"]["median_ms"] / 1e3 + rtt))
+    return rows, bandwidth
+
+
+def _ms(s: dict) -> dict:
+    return {"median_ms": s["median"] * 1e3, "p99_ms": s["p99"] * 1e3, "n": s["n"]}
+
+
+def print_table(rows: list[dict], bandwidth: dict, header: str) -> None:
+    print(header)
+    print(f"{'tokens':>7} {'variant':<8} {'case':<10} {'TTFT p50 ms':>12} {'p99 ms':>9} {'x recompute':>12}")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['variant']:<8} {r['case']:<10} {r['median_ms']:>12.1f} {r['p99_ms']:>9.1f} "
+              f"{r['vs_recompute']:>12.2f}")
+    if bandwidth:
+        mib = bandwidth["bytes"] / (1 << 20)
+        print(f"\nblock I/O through the daemon, {mib:.1f} MiB (the longest prompt's blocks), interleaved:")
+        for name in ("save", "load", "memcpy"):
+            b = bandwidth[name]
+            print(f"  {name:<7} {b['GBps']:>6.2f} GB/s   p50 {b['median_ms']:>7.2f} ms   p99 {b['p99_ms']:>7.2f} ms")
+        print(f"  round trip {bandwidth['round_trip_us']:.0f} us; load / (memcpy + 1 round trip) = "
+              f"{bandwidth['load_vs_memcpy_plus_rtt']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="", help="a local model directory (default: the tiny random Llama)")
+    p.add_argument("--tokens", default=DEFAULT_TOKENS, help="prompt lengths, comma separated")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-bytes", type=int, default=512 << 20, help="vLLM's KV cache size (bytes)")
+    p.add_argument("--capacity", default="2GiB", help="the daemon's capacity")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--url", default="", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        engine_main(args)
+        return 0
+    workdir = tempfile.mkdtemp(prefix="kvs-bench-vllm-", dir="/tmp")
+    if not args.model:
+        from kvstore.integrations.vllm.tiny_model import build_tiny_llama
+
+        args.model = build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvstore-tiny-llama"))
+    daemon, url = start_daemon(workdir, args.capacity)
+    try:
+        results = {v: run_variant(v, args, url, workdir) for v in args.variants.split(",")}
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+        shutil.rmtree(workdir, ignore_errors=True)
+    lengths = args.tokens.split(",")
+    rows, bandwidth = table(results, lengths)
+    header = f"bench_vllm: {args.model} ({args.dtype}), {machine()}, repeats={args.repeats}"
+    print_table(rows, bandwidth, header)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "model": args.model, "rows": rows, "bandwidth": bandwidth,
+                       "raw": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

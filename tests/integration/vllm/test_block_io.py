@@ -1,0 +1,120 @@
+"""BlockIO and StoreLink against real stores: blocks round-trip as opaque bytes (every layer), a missing or
+corrupt block is a per-block failure, a killed daemon fails the rest of the load and is one fault, and the
+link reconnects once the daemon is back. No vLLM needed (torch only)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_keys import LAYOUT  # noqa: E402
+from vllm_runner import flip_bytes, segment_address  # noqa: E402
+
+import kvstore  # noqa: E402
+from kvstore.integrations.vllm.block_io import BlockIO  # noqa: E402
+from kvstore.integrations.vllm.store_link import StoreLink, StoreUnavailable  # noqa: E402
+
+NUM_BLOCKS = 16
+
+
+def caches(seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One allocation viewed as one cache per layer, as vLLM's CPU backend lays it out."""
+    g = torch.Generator().manual_seed(seed)
+    whole = torch.randn((LAYOUT.num_layers, NUM_BLOCKS, *LAYOUT.page_shape), generator=g).to(torch.bfloat16)
+    return whole, [whole[i] for i in range(LAYOUT.num_layers)]
+
+
+@pytest.fixture(params=["embedded", "daemon-shm", "daemon-tcp"])
+def block_store(request):
+    if request.param == "embedded":
+        s = kvstore.KVStore.embedded(capacity="16MiB")
+    else:
+        d = request.getfixturevalue("daemon")
+        s = d.connect("shm" if request.param == "daemon-shm" else "tcp")
+    yield s
+    for key in s.keys("blockio/"):
+        s.remove(key)
+    s.close()
+
+
+def test_blocks_round_trip_every_layer(block_store):
+    src_whole, src = caches(1)
+    io = BlockIO(src, LAYOUT)
+    assert io.save(block_store, [("blockio/a", 3), ("blockio/b", 11)]) == 2 * LAYOUT.block_nbytes
+    dst_whole, dst = caches(2)
+    before = dst_whole.clone()
+    result = BlockIO(dst, LAYOUT).load(block_store, [("blockio/a", 0), ("blockio/b", 7)])
+    assert (result.loaded, result.failed_blocks, result.nbytes) == (2, (), 2 * LAYOUT.block_nbytes)
+    assert torch.equal(dst_whole[:, 0], src_whole[:, 3]) and torch.equal(dst_whole[:, 7], src_whole[:, 11])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (0, 7)]
+    assert torch.equal(dst_whole[:, untouched], before[:, untouched])
+
+
+def test_missing_block_fails_alone(block_store):
+    _, src = caches(1)
+    BlockIO(src, LAYOUT).save(block_store, [("blockio/good", 1)])
+    _, dst = caches(3)
+    result = BlockIO(dst, LAYOUT).load(block_store, [("blockio/good", 2), ("blockio/none", 4)])
+    assert result.loaded == 1 and result.failed_blocks == (4,) and result.missing == 1
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_block_damaged_after_commit_fails_its_checksum(daemon, transport):
+    s = daemon.connect(transport)
+    src_whole, src = caches(1)
+    BlockIO(src, LAYOUT).save(s, [(f"blockio/{transport}/a", 1), (f"blockio/{transport}/b", 2)])
+    info = s.inspect(f"blockio/{transport}/a")
+    flip_bytes(daemon.pid, segment_address(daemon.pid, info["segment"]) + info["offset"] + 100, 4)
+    dst_whole, dst = caches(3)
+    result = BlockIO(dst, LAYOUT).load(s, [(f"blockio/{transport}/a", 5), (f"blockio/{transport}/b", 6)])
+    assert result.failed_blocks == (5,) and result.checksum_errors == 1 and result.loaded == 1
+    assert torch.equal(dst_whole[:, 6], src_whole[:, 2])
+    for key in s.keys(f"blockio/{transport}/"):
+        s.remove(key)
+    s.close()
+
+
+def test_cache_of_another_geometry_is_refused():
+    whole = torch.zeros((NUM_BLOCKS, 2, 4, 64), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="page shape"):
+        BlockIO([whole, whole], LAYOUT)
+    with pytest.raises(ValueError, match="dtype"):
+        BlockIO([torch.zeros((NUM_BLOCKS, *LAYOUT.page_shape))] * 2, LAYOUT)
+
+
+def test_killed_daemon_fails_the_rest_of_the_load(daemon_factory):
+    d = daemon_factory(capacity="16MiB")
+    s = d.connect("tcp", timeout=2.0)
+    _, src = caches(1)
+    BlockIO(src, LAYOUT).save(s, [(f"blockio/{i}", i) for i in range(4)])
+    d.kill()
+    _, dst = caches(2)
+    result = BlockIO(dst, LAYOUT).load(s, [(f"blockio/{i}", i) for i in range(4)])
+    assert result.connection_lost and result.failed_blocks == (0, 1, 2, 3) and result.loaded == 0
+    s.close()
+
+
+def test_link_warns_once_per_outage_and_reconnects(daemon_factory, short_dir, caplog):
+    d = daemon_factory(capacity="16MiB")
+    link = StoreLink(d.unix_url, timeout=2.0, retry_s=0.0, name="test", transport="tcp")
+    link.client().put("blockio/x", b"1")
+    port = d.port
+    d.kill()
+    caplog.set_level(logging.WARNING, logger="kvstore.integrations.vllm")
+    for _ in range(3):
+        try:
+            link.client().exists("blockio/x")
+        except StoreUnavailable:
+            pass
+        except kvstore.StoreConnectionError as exc:
+            link.fault(exc)
+    assert not link.up and link.faults >= 2
+    assert sum("is unavailable" in r.getMessage() for r in caplog.records) == 1
+    back = daemon_factory(capacity="16MiB", unix_path=d.unix_path, port=port)
+    assert link.client().exists("blockio/x") is False  # a fresh daemon: reconnected, empty
+    assert any("reachable again" in r.getMessage() for r in caplog.records)
+    link.close()
+    assert back.running()

@@ -1,0 +1,182 @@
+"""The connector inside a real vLLM (CPU, the tiny random Llama): prefix sharing across processes, a
+prefill/decode hand-off through one ``kvstore serve`` daemon, and faults (daemon killed, a corrupt block,
+a consumer whose layout differs, no daemon at start). Every engine is its own process; tokens are greedy,
+so "identical tokens" compares against the same prompts run with no connector."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from conftest import Daemon, short_tmpdir  # noqa: E402
+from vllm_runner import BLOCK, EngineRunner, Run, claimable_tokens, flip_bytes, load_run, make_prompts, segment_address  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def distinct_full_blocks(prompts: list[list[int]], block: int = BLOCK) -> int:
+    seen = set()
+    for p in prompts:
+        for end in range(block, len(p) + 1, block):
+            seen.add(tuple(p[:end]))
+    return len(seen)
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    path = short_tmpdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return make_prompts()
+
+
+@pytest.fixture(scope="module")
+def engine(workdir, prompts) -> EngineRunner:
+    from kvstore.integrations.vllm.tiny_model import build_tiny_llama
+
+    return EngineRunner(workdir, build_tiny_llama(os.path.join(workdir, "tiny-llama")), prompts)
+
+
+@pytest.fixture(scope="module")
+def baseline(engine) -> Run:
+    """The prompts with no connector: what every connector run must reproduce token for token."""
+    return engine.run()
+
+
+@pytest.fixture(scope="module")
+def saved(engine, workdir):
+    """A daemon holding the blocks that a first kv_both engine (PYTHONHASHSEED=1) saved."""
+    d = Daemon(workdir, capacity="256MiB").start()
+    run1 = engine.run(url=d.unix_url, hash_seed=1)
+    yield d, run1
+    d.stop()
+
+
+def block_keys(d: Daemon) -> list[str]:
+    with d.connect("tcp") as s:
+        return sorted(k for k in s.keys("vllm/") if not k.endswith("/layout"))
+
+
+def test_kv_both_shares_prefixes_across_processes(saved, engine, baseline, prompts):
+    d, run1 = saved
+    assert run1.tokens == baseline.tokens
+    assert run1.counters["saved_blocks"] >= distinct_full_blocks(prompts)
+    assert len(block_keys(d)) == distinct_full_blocks(prompts)
+
+    run2 = engine.run(url=d.unix_url, hash_seed=2)  # a fresh engine, another hash seed
+    assert run2.tokens == baseline.tokens
+    assert run2.cached == [claimable_tokens(p) for p in prompts]
+    assert run2.counters["loaded_blocks"] > 0
+    assert run2.counters["load_errors"] == 0 and run2.counters["lookup_errors"] == 0
+
+
+def test_layout_is_published_next_to_the_blocks(saved):
+    d, _ = saved
+    with d.connect("tcp") as s:
+        layouts = [k for k in s.keys("vllm/") if k.endswith("/layout")]
+        assert len(layouts) == 1
+        meta = s.inspect(layouts[0])["meta"]
+    assert meta["backend"] == "CPU_ATTN" and meta["dtype"] == "bfloat16" and meta["block_size"] == BLOCK
+
+
+@pytest.mark.parametrize("args", [("--dtype", "float32"), ("--block-size", "64")], ids=["dtype", "block_size"])
+def test_consumer_with_another_layout_gets_no_false_hits(saved, engine, args):
+    d, _ = saved
+    run = engine.run(url=d.unix_url, role="kv_consumer", args=args)
+    assert run.counters["lookups"] > 0
+    assert run.counters["hit_tokens"] == 0 and run.counters["loaded_blocks"] == 0
+
+
+def test_corrupt_block_is_detected_and_recomputed(saved, engine, baseline):
+    d, _ = saved
+    key = block_keys(d)[0]
+    with d.connect("tcp") as s:
+        info = s.inspect(key)
+    address = segment_address(d.pid, info["segment"]) + info["offset"] + info["size"] // 2
+    assert len(flip_bytes(d.pid, address, 8)) == 8
+    try:
+        run = engine.run(url=d.unix_url, hash_seed=3)
+    finally:
+        flip_bytes(d.pid, address, 8)
+    assert run.counters["checksum_errors"] == 1
+    assert run.counters["load_errors"] >= 1
+    assert run.tokens == baseline.tokens
+
+
+def test_prefill_decode_through_one_daemon(engine, workdir, baseline, prompts):
+    d = Daemon(workdir, capacity="256MiB").start()
+    try:
+        producer = engine.run(url=d.unix_url, role="kv_producer", args=("--max-tokens", "1"))
+        consumer = engine.run(url=d.unix_url, role="kv_consumer", args=("--no-prefix-cache",), hash_seed=5)
+        with d.connect("tcp") as s:
+            stats = s.stats()
+    finally:
+        d.stop()
+    assert [t[:1] for t in producer.tokens] == [t[:1] for t in baseline.tokens]
+    assert producer.counters["saved_blocks"] >= distinct_full_blocks(prompts)
+    assert consumer.tokens == baseline.tokens
+    assert consumer.cached == [claimable_tokens(p) for p in prompts]  # every full block came from the store
+    assert consumer.counters["loaded_blocks"] == sum(claimable_tokens(p) // BLOCK for p in prompts)
+    assert consumer.counters["saved_blocks"] == 0 and consumer.counters["load_errors"] == 0
+    assert stats["objects"] == distinct_full_blocks(prompts) + 1  # + the layout
+
+
+def test_daemon_killed_mid_run_every_request_completes(engine, workdir, baseline):
+    d = Daemon(workdir, capacity="256MiB").start()
+    cmd, out = engine.command(url=d.unix_url, args=("--batches", "2"))
+    err_path = os.path.join(workdir, "killed-run.err")
+    with open(err_path, "w") as err_file:  # a file, not a pipe: vLLM logs a lot, and a full pipe blocks the child
+        proc = subprocess.Popen(cmd, env=engine.env(7), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=err_file, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # vLLM logs to stdout too: skip to the child's own line
+            lines.append(line)
+            if line.startswith("BATCH 0"):
+                break
+        assert lines and lines[-1].startswith("BATCH 0"), "".join(lines[-40:])
+        d.kill()  # SIGKILL: no goodbye to its clients
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.communicate(timeout=300)
+        with open(err_path) as f:
+            err = f.read()
+        assert proc.returncode == 0, err[-6000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for path in glob.glob(f"/dev/shm/kvstore-{d.pid}-*"):
+            os.unlink(path)
+    run = load_run(out)
+    assert run.tokens == baseline.tokens
+    assert run.counters["saved_blocks"] > 0  # the first batch saved while the daemon was alive
+    assert run.counters["store_faults"] + run.counters["lookup_errors"] >= 1
+    assert run.counters["dropped_saves"] > 0  # the second batch's saves were dropped, not fatal
+    assert err.count("is unavailable") == 2  # one warning per connector half, not one per call
+
+
+def test_no_daemon_at_start_is_a_clear_error(engine, workdir):
+    url = f"unix://{workdir}/nobody-here.sock"
+    cmd, _ = engine.command(url=url)
+    proc = subprocess.run(cmd, env=engine.env(0), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "no kvstore daemon answers at" in proc.stderr and "kvstore serve --listen" in proc.stderr
+
+
+def test_no_daemon_at_start_degraded_mode_serves(engine, workdir, baseline):
+    run = engine.run(url=f"unix://{workdir}/nobody-here.sock", extra={"require_store_at_start": False})
+    assert run.tokens == baseline.tokens
+    assert run.counters["loaded_blocks"] == 0 and run.counters["dropped_saves"] > 0
+    assert run.counters["lookup_errors"] > 0

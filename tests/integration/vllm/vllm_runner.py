@@ -1,0 +1,114 @@
+"""Helpers for the vLLM connector tests: prompts and a runner for ``vllm_child.py`` (one single-process CPU
+engine per run, the way vLLM is deployed: a process each). Not a conftest.py: tests/conftest.py is imported
+as ``conftest`` by other test modules, and a second one would shadow it."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import paths
+
+CHILD = os.path.join(os.path.dirname(__file__), "vllm_child.py")
+BLOCK = 128
+
+
+def child_env() -> dict:
+    """This checkout first on the child's path (as tests/conftest.py's child_env does)."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(paths.ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@dataclass
+class Run:
+    results: list[dict]
+    counters: dict
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [r["tokens"] for r in self.results]
+
+    @property
+    def cached(self) -> list[int]:
+        return [r["cached"] for r in self.results]
+
+
+def make_prompts() -> list[list[int]]:
+    """Two prompts sharing a 2-block prefix, and two unrelated ones; none a whole number of blocks."""
+    rng = random.Random(13)
+    ids = lambda n: [rng.randrange(3, 1000) for _ in range(n)]
+    shared = ids(2 * BLOCK + 20)
+    return [shared + ids(30), shared + ids(150), ids(400), ids(3 * BLOCK + 1)]
+
+
+def claimable_tokens(prompt: list[int], block: int = BLOCK) -> int:
+    """What a store hit may cover: the full blocks before the prompt's last token."""
+    return (len(prompt) - 1) // block * block
+
+
+class EngineRunner:
+    def __init__(self, workdir: str, model: str, prompts: list[list[int]]):
+        self.workdir, self.model, self.prompts = workdir, model, prompts
+        self.count = 0
+
+    def command(self, *, url: str = "", role: str = "kv_both", extra: dict | None = None,
+                args: tuple[str, ...] = ()) -> tuple[list[str], str]:
+        self.count += 1
+        prompts_path = os.path.join(self.workdir, f"prompts-{self.count}.json")
+        out = os.path.join(self.workdir, f"out-{self.count}.json")
+        with open(prompts_path, "w") as f:
+            json.dump(self.prompts, f)
+        # TCP data path: other sessions on this machine may run daemons in another PID namespace over the same
+        # /dev/shm, whose orphan reaping unlinks a live daemon's segments (issue 11, defect 5); a TCP client
+        # does not need to open them. BlockIO's own tests cover the shared-memory path.
+        extra = {"transport": "tcp", **(extra or {})}
+        cmd = [sys.executable, CHILD, "--model", self.model, "--prompts", prompts_path, "--out", out,
+               "--role", role, "--extra", json.dumps(extra), *args]
+        if url:
+            cmd += ["--url", url]
+        return cmd, out
+
+    def env(self, hash_seed: int) -> dict:
+        env = child_env()
+        env["PYTHONHASHSEED"] = str(hash_seed)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return env
+
+    def run(self, *, hash_seed: int = 0, timeout: float = 240, **kw) -> Run:
+        cmd, out = self.command(**kw)
+        proc = subprocess.run(cmd, env=self.env(hash_seed), capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+        return load_run(out)
+
+
+def load_run(path: str) -> Run:
+    with open(path) as f:
+        data = json.load(f)
+    return Run(data["results"], data["counters"])
+
+
+def segment_address(pid: int, segment: int) -> int:
+    """Where daemon ``pid`` maps its shared-memory segment ``segment`` (found even once its name is unlinked)."""
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and re.fullmatch(rf"/dev/shm/kvstore-{pid}-[0-9a-f]+-{segment}", parts[5]):
+                return int(parts[0].split("-")[0], 16)
+    raise AssertionError(f"daemon {pid} maps no segment {segment}")
+
+
+def flip_bytes(pid: int, address: int, n: int) -> bytes:
+    """XOR ``n`` bytes of process ``pid``'s memory at ``address`` with 0xFF; returns the original bytes."""
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+        mem.seek(address)
+        original = mem.read(n)
+        mem.seek(address)
+        mem.write(bytes(b ^ 0xFF for b in original))
+    return original
