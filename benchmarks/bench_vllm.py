@@ -74,7 +74,9 @@ def engine_main(args) -> None:
 
     lengths = [int(t) for t in args.tokens.split(",")]
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, kv_cache_memory_bytes=args.kv_bytes,
-              max_model_len=max(lengths) + 16, enforce_eager=True, enable_prefix_caching=True, seed=0,
+              max_model_len=max(lengths) + 16, enforce_eager=True,
+              # no chunked prefill: ExampleConnector saves only the first chunk of a prompt
+              max_num_batched_tokens=max(lengths) + 16, enable_prefix_caching=True, seed=0,
               kv_transfer_config=transfer_config(args.worker, args.url, args.workdir))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = random.Random(args.seed)
@@ -83,11 +85,18 @@ def engine_main(args) -> None:
     for _ in range(2):  # warm-up: first-call allocations, lazy imports, the connector's first connection
         time_prompt(llm, params, prompt(256))
         llm.reset_prefix_cache()
-    samples: dict[str, dict[str, list[float]]] = {str(n): {"miss": [], "hit": []} for n in lengths}
+    samples: dict[str, dict[str, list[float]]] = {str(n): {"miss": [], "hit": [], "off": []} for n in lengths}
     for _ in range(args.repeats):
         for n in lengths:
+            if args.worker == "kvstore":  # the same engine with the connector paused: no lookup, no save
+                pause(True)
+                samples[str(n)]["off"].append(time_prompt(llm, params, prompt(n)))
+                wait_for_saves()
+                llm.reset_prefix_cache()
+                pause(False)
             p = prompt(n)
             samples[str(n)]["miss"].append(time_prompt(llm, params, p))
+            wait_for_saves()  # asynchronous saves land before the hit (untimed)
             llm.reset_prefix_cache()
             if args.worker != "none":
                 samples[str(n)]["hit"].append(time_prompt(llm, params, p))
@@ -98,6 +107,20 @@ def engine_main(args) -> None:
         out["counters"] = connector_counters()
     with open(args.out, "w") as f:
         json.dump(out, f)
+
+
+def pause(paused: bool) -> None:
+    from kvstore.integrations.vllm import live_connectors
+
+    for conn in live_connectors():
+        conn.pause(paused)
+
+
+def wait_for_saves() -> None:
+    from kvstore.integrations.vllm import live_connectors
+
+    for conn in live_connectors():
+        conn.wait_for_saves(60.0)
 
 
 def connector_counters() -> dict:
@@ -196,10 +219,17 @@ def table(results: dict[str, dict], lengths: list[str]) -> tuple[list[dict], dic
             ttft = results.get(variant, {}).get("ttft", {}).get(n)
             if not ttft:
                 continue
+            off = summary(ttft.get("off", []))
+            if off["n"]:  # the miss overhead against the same engine with the connector paused, interleaved
+                rows.append({"tokens": int(n), "variant": variant, "case": "paused", **_ms(off),
+                             "vs_recompute": off["median"] / base["median"] if base["n"] else float("nan")})
             for case in ("miss", "hit"):
                 s = summary(ttft[case])
-                rows.append({"tokens": int(n), "variant": variant, "case": case, **_ms(s),
-                             "vs_recompute": s["median"] / base["median"] if base["n"] else float("nan")})
+                row = {"tokens": int(n), "variant": variant, "case": case, **_ms(s),
+                       "vs_recompute": s["median"] / base["median"] if base["n"] else float("nan")}
+                if off["n"] and case == "miss":
+                    row["miss_vs_paused"] = _paired_ratio(ttft["miss"], ttft["off"])
+                rows.append(row)
     io = results.get("kvstore", {}).get("io")
     bandwidth = {}
     if io:
@@ -215,16 +245,23 @@ def table(results: dict[str, dict], lengths: list[str]) -> tuple[list[dict], dic
     return rows, bandwidth
 
 
+def _paired_ratio(a: list[float], b: list[float]) -> float:
+    """Median of per-repeat ratios a[i] / b[i] (each pair ran back to back, under the same load)."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def _ms(s: dict) -> dict:
     return {"median_ms": s["median"] * 1e3, "p99_ms": s["p99"] * 1e3, "n": s["n"]}
 
 
 def print_table(rows: list[dict], bandwidth: dict, header: str) -> None:
     print(header)
-    print(f"{'tokens':>7} {'variant':<8} {'case':<10} {'TTFT p50 ms':>12} {'p99 ms':>9} {'x recompute':>12}")
+    print(f"{'tokens':>7} {'variant':<8} {'case':<10} {'TTFT p50 ms':>12} {'p99 ms':>9} {'x recompute':>12} "
+          f"{'miss x paused':>14}")
     for r in rows:
+        paired = f"{r['miss_vs_paused']:>14.3f}" if "miss_vs_paused" in r else ""
         print(f"{r['tokens']:>7} {r['variant']:<8} {r['case']:<10} {r['median_ms']:>12.1f} {r['p99_ms']:>9.1f} "
-              f"{r['vs_recompute']:>12.2f}")
+              f"{r['vs_recompute']:>12.2f} {paired}")
     if bandwidth:
         mib = bandwidth["bytes"] / (1 << 20)
         print(f"\nblock I/O through the daemon, {mib:.1f} MiB (the longest prompt's blocks), interleaved:")

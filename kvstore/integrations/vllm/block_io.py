@@ -100,10 +100,19 @@ class BlockIO:
             chunk = items[start:start + self._chunk]
             packed = self._buffer(len(chunk))
             ops.gather_pages(self._pages, self._ids([b for _, b in chunk]), packed, layout=self._kernel_layout)
-            flat = packed.view(len(chunk), -1)
-            store.batch_put([(key, flat[i]) for i, (key, _) in enumerate(chunk)], ttl=ttl)
-            written += len(chunk) * self.layout.block_nbytes
+            written += self.put_packed(store, [key for key, _ in chunk], packed, ttl)
         return written
+
+    def pack(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A new buffer holding blocks ``block_ids`` (every layer), block-major: the cache may be reused at once."""
+        packed = torch.empty(ops.packed_shape(self._kernel_layout, len(block_ids)), dtype=self._kernel_layout.dtype)
+        return ops.gather_pages(self._pages, self._ids(block_ids), packed, layout=self._kernel_layout)
+
+    def put_packed(self, store: KVStore, keys: Sequence[str], packed: torch.Tensor, ttl: float | None = None) -> int:
+        """``batch_put`` the blocks of ``packed`` (from :meth:`pack`) under ``keys``; returns the bytes written."""
+        flat = packed.view(len(keys), -1)
+        store.batch_put([(key, flat[i]) for i, key in enumerate(keys)], ttl=ttl)
+        return len(keys) * self.layout.block_nbytes
 
     # ---- loads ----------------------------------------------------------------------------------------
     def load(self, store: KVStore, items: Sequence[tuple[str, int]]) -> LoadResult:

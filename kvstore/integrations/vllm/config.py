@@ -27,6 +27,11 @@ class ConnectorConfig:
     require_store_at_start: bool = True
     #: Verify every loaded block against the checksum recorded at commit (a mismatch is a load error).
     verify: bool = True
+    #: "auto": asynchronous for kv_both (off the engine's critical path), synchronous for kv_producer (the
+    #: hand-off is complete when the step ends); or "sync" / "async".
+    save_mode: str = "auto"
+    #: Async saves: at most this many bytes queued; beyond it a save is dropped (and counted).
+    max_pending_save_bytes: int = 256 << 20
     #: Seconds a saved block lives in the store (None: until evicted).
     ttl_s: float | None = None
     #: False: the connector sets vLLM's ``kv_load_failure_policy`` to "recompute" (a store fault never
@@ -47,6 +52,9 @@ class ConnectorConfig:
                              "'unix:///run/kvstore.sock') or $KVSTORE_URL")
         for name, value in extra.items():
             _check(name, value, fields[name].default)
+        if extra.get("save_mode", "auto") not in ("auto", "sync", "async"):
+            raise ValueError(f"kvstore connector: save_mode must be 'auto', 'sync' or 'async', got "
+                             f"{extra['save_mode']!r}")
         if extra.get("transport", "auto") not in ("auto", "shm", "tcp"):
             raise ValueError(f"kvstore connector: transport must be 'auto', 'shm' or 'tcp', got {extra['transport']!r}")
         return cls(url=url, **extra)
@@ -60,6 +68,8 @@ def _check(name: str, value: Any, default: Any) -> None:
             isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)
     elif isinstance(default, str):
         ok = isinstance(value, str)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
     else:
         ok = True
     if not ok:

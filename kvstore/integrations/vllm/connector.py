@@ -65,7 +65,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
             layout = layout_from_vllm_config(vllm_config, kv_cache_config, get_tensor_model_parallel_rank())
             layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
-            self._worker = WorkerSide(self.config, layout, layer_names, self.counters)
+            self._worker = WorkerSide(self.config, layout, layer_names, self.counters, self.kv_role)
             self._connect_at_start(self._worker.link)
         _LIVE.add(self)
 
@@ -80,6 +80,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                     "kv_connector_extra_config to start without it (lookups miss and saves are dropped until "
                     "it is reachable)") from None
             link.fault(exc)
+
+    def pause(self, paused: bool = True) -> None:
+        """Scheduler half: stop (or resume) lookups and saves, so that one engine can be measured with and
+        without the connector. No effect on a worker half."""
+        if self._scheduler is not None:
+            self._scheduler.paused = paused
+
+    def wait_for_saves(self, timeout: float = 30.0) -> bool:
+        """Worker half: block until queued asynchronous saves are in the store (True) or ``timeout`` passes."""
+        return self._worker.drain_saves(timeout) if self._worker is not None else True
 
     # ---- scheduler side -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

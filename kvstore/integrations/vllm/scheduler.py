@@ -57,6 +57,8 @@ class SchedulerSide:
         self.block_size = block_size
         self.counters = counters
         self.root = "vllm-prompt"
+        #: True: no lookups and no saves (the engine runs as without a connector): A/B measurement in one engine.
+        self.paused = False
         self.link = StoreLink(config.url, timeout=config.timeout_s, retry_s=config.retry_s,
                               transport=config.transport, name="scheduler")
         self._requests: dict[str, _Request] = {}
@@ -80,7 +82,7 @@ class SchedulerSide:
         state = self._state(request)
         state.local_blocks = num_computed_tokens // self.block_size
         state.hit_blocks = 0
-        if not self.loads_enabled or not state.cacheable:
+        if self.paused or not self.loads_enabled or not state.cacheable:
             return 0, False
         claimable = (len(state.prompt) - 1) // self.block_size  # never the prompt's last token
         if claimable <= state.local_blocks:
@@ -148,7 +150,7 @@ class SchedulerSide:
         if state.load:
             meta.loads.append(BlockTransfer(req_id, [d.hex() for d, _ in state.load], [b for _, b in state.load]))
             state.load = None
-        if not (self.saves_enabled and state.cacheable):
+        if self.paused or not (self.saves_enabled and state.cacheable):
             return
         upto = min(len(state.prompt) // self.block_size, computed_after // self.block_size, len(state.block_ids))
         if upto > state.done_blocks:

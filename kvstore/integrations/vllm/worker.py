@@ -9,6 +9,7 @@ step for every layer. Every failure is local to the blocks it touches: a load fa
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -18,14 +19,19 @@ from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.block_io import BlockIO
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.keys import CacheLayout, block_key, layout_key
+from kvstore.integrations.vllm.saver import AsyncSaver
 from kvstore.integrations.vllm.scheduler import KVStoreConnectorMetadata
 from kvstore.integrations.vllm.stats import Counters
 from kvstore.integrations.vllm.store_link import CONNECTION_ERRORS, StoreLink, StoreUnavailable, log
 
 
 class WorkerSide:
-    def __init__(self, config: ConnectorConfig, layout: CacheLayout, layer_names: list[str], counters: Counters):
+    def __init__(self, config: ConnectorConfig, layout: CacheLayout, layer_names: list[str], counters: Counters,
+                 role: str = "kv_both"):
         self.config = config
+        self.async_saves = config.save_mode == "async" or (config.save_mode == "auto" and role == "kv_both")
+        self.saver: AsyncSaver | None = None
+        self._count_lock = threading.Lock()
         self.layout = layout
         self.fingerprint = layout.fingerprint()
         self.layer_names = layer_names
@@ -42,6 +48,11 @@ class WorkerSide:
         if missing:
             raise ValueError(f"kvstore connector: no KV cache registered for layers {missing}")
         self.io = BlockIO([kv_caches[name] for name in self.layer_names], self.layout, verify=self.config.verify)
+        if self.async_saves:
+            link = StoreLink(self.config.url, timeout=self.config.timeout_s, retry_s=self.config.retry_s,
+                             transport=self.config.transport, name="saver")
+            self.saver = AsyncSaver(self.io, link, self._count, ttl=self.config.ttl_s,
+                                    max_bytes=self.config.max_pending_save_bytes)
         log.info("kvstore worker: %d layers, %s/%s %s, block %d tokens = %d bytes, layout %s", len(self.layer_names),
                  self.layout.backend, self.layout.packing, self.layout.dtype, self.layout.block_size,
                  self.layout.block_nbytes, self.fingerprint)
@@ -57,9 +68,10 @@ class WorkerSide:
             log.info("kvstore worker: layout not published under %s (%s)", key, exc)
 
     def _count(self, **deltas: float) -> None:
-        for name, value in deltas.items():
-            setattr(self.counters, name, getattr(self.counters, name) + value)
-            setattr(self.interval, name, getattr(self.interval, name) + value)
+        with self._count_lock:  # the saver thread counts too
+            for name, value in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + value)
+                setattr(self.interval, name, getattr(self.interval, name) + value)
 
     # ---- loads ----------------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVStoreConnectorMetadata) -> None:
@@ -97,6 +109,9 @@ class WorkerSide:
                  for transfer in meta.saves for d, b in zip(transfer.digests, transfer.block_ids, strict=True)]
         if not items:
             return
+        if self.saver is not None:
+            self.saver.submit(items)
+            return
         try:
             store = self.link.client()
         except StoreUnavailable:
@@ -118,12 +133,19 @@ class WorkerSide:
             return
         self._count(saved_blocks=len(items), save_bytes=nbytes, save_seconds=time.perf_counter() - start)
 
+    def drain_saves(self, timeout: float) -> bool:
+        """Wait for queued asynchronous saves; False if some were still queued after ``timeout`` seconds."""
+        return self.saver.drain(timeout) if self.saver is not None else True
+
     def take_interval_stats(self) -> dict[str, Any] | None:
-        data = self.interval.as_dict()
-        if not any(data.values()):
-            return None
-        self.interval = Counters()
+        with self._count_lock:
+            data = self.interval.as_dict()
+            if not any(data.values()):
+                return None
+            self.interval = Counters()
         return data
 
     def shutdown(self) -> None:
+        if self.saver is not None:
+            self.saver.close(2 * self.config.timeout_s)
         self.link.close()

@@ -118,3 +118,52 @@ def test_link_warns_once_per_outage_and_reconnects(daemon_factory, short_dir, ca
     assert any("reachable again" in r.getMessage() for r in caplog.records)
     link.close()
     assert back.running()
+
+
+def test_async_saver_writes_off_thread_and_drops_beyond_its_bound():
+    from kvstore.integrations.vllm.saver import AsyncSaver
+    from kvstore.integrations.vllm.stats import Counters
+
+    store = kvstore.KVStore.embedded(capacity="16MiB")
+    counts = Counters()
+
+    def count(**deltas):
+        for k, v in deltas.items():
+            setattr(counts, k, getattr(counts, k) + v)
+
+    src_whole, src = caches(1)
+    io = BlockIO(src, LAYOUT)
+    link = StoreLink("embedded://", timeout=2.0, retry_s=60, name="test", open=lambda *a: store)
+    saver = AsyncSaver(io, link, count, ttl=None, max_bytes=3 * LAYOUT.block_nbytes)
+    saver.submit([("blockio/s0", 0), ("blockio/s1", 1)])
+    src_whole.zero_()  # the cache may be reused as soon as submit returns: the blocks were packed
+    assert saver.drain(10.0)
+    saver.submit([("blockio/s2", 2), ("blockio/s3", 3), ("blockio/s4", 4), ("blockio/s5", 5)])  # over the bound
+    assert saver.drain(10.0)
+    assert (counts.saved_blocks, counts.dropped_saves) == (2, 4)
+    _, dst = caches(2)
+    assert BlockIO(dst, LAYOUT).load(store, [("blockio/s0", 9)]).loaded == 1
+    assert not torch.equal(dst[0][9], torch.zeros_like(dst[0][9]))
+    saver.close(5.0)
+
+
+def test_async_saver_counts_a_dead_store_as_dropped():
+    from kvstore.integrations.vllm.saver import AsyncSaver
+    from kvstore.integrations.vllm.stats import Counters
+
+    counts = Counters()
+
+    def count(**deltas):
+        for k, v in deltas.items():
+            setattr(counts, k, getattr(counts, k) + v)
+
+    def refuse(*args):
+        raise kvstore.StoreConnectionError("no daemon")
+
+    _, src = caches(1)
+    saver = AsyncSaver(BlockIO(src, LAYOUT), StoreLink("unix:///none", timeout=1.0, retry_s=60, name="test",
+                                                        open=refuse), count, ttl=None)
+    saver.submit([("blockio/d0", 0)])
+    assert saver.drain(10.0)
+    assert counts.dropped_saves == 1 and counts.saved_blocks == 0
+    saver.close(5.0)

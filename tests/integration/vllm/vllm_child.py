@@ -60,12 +60,19 @@ def main() -> int:
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts[i:i + size]], params, use_tqdm=False)
         results += [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outs]
         if i + size < len(prompts):
+            if args.url:
+                from kvstore.integrations.vllm import live_connectors
+
+                for conn in live_connectors():  # the batch's saves are in the store before the test acts
+                    conn.wait_for_saves(30.0)
             print(f"BATCH {i // size}", flush=True)
             sys.stdin.readline()
     counters = {}
     if args.url:
         from kvstore.integrations.vllm import live_connectors
 
+        for conn in live_connectors():
+            assert conn.wait_for_saves(30.0), "asynchronous saves still queued after 30 s"
         for conn in live_connectors():
             for k, v in conn.counters.as_dict().items():
                 counters[k] = counters.get(k, 0) + v
