@@ -11,10 +11,15 @@ reference, under a temporary directory), the in-run anchor. vLLM's MooncakeStore
 Mooncake is not installed here.
 
 TTFT is the wall time of ``generate`` of one prompt with ``max_tokens=1``. A miss is a prompt never seen
-(for the connectors it includes the lookup and saving every full block); a hit is the same prompt again
-after ``reset_prefix_cache()``, so vLLM's own cache is empty and every full block but the last token's
-comes from the connector. Load/save GB/s are the connector's own ``BlockIO`` moving the blocks of the
-longest prompt through the daemon, against ``torch`` copying the same number of bytes, interleaved.
+(for the connectors it includes the lookup and saving every full block; kvstore's kv_both saves are
+asynchronous and drained, untimed, before the next prompt); a hit is the same prompt again after
+``reset_prefix_cache()``, so vLLM's own cache is empty and every full block but the last token's comes from
+the connector. "paused" is the kvstore engine with its connector paused (no lookup, no save), run just
+before each miss: "miss x paused" is the median of those paired ratios, the connector's cost on a miss
+measured in one engine. No chunked prefill (``max_num_batched_tokens`` covers the longest prompt):
+ExampleConnector saves only a prompt's first chunk. Load/save GB/s are the connector's own ``BlockIO``
+moving the blocks of the longest prompt through the daemon, against ``torch`` copying the same number of
+bytes, interleaved.
 """
 
 from __future__ import annotations
