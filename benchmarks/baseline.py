@@ -1,51 +1,15 @@
 """Physical baselines measured in the same run as the thing they bound: single-thread memcpy into a
 pre-faulted buffer, and a raw loopback socket between two processes (``sendall`` / ``recv_into``).
-Also the timing statistics every benchmark here reports (median, p99, GB/s)."""
+The timing statistics every benchmark here reports (median, p99, GB/s) are :mod:`benchmarks.common.timing`."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class Timing:
-    size: int
-    p50_s: float
-    p99_s: float
-    n: int
-
-    @property
-    def gbps(self) -> float:
-        return self.size / self.p50_s / 1e9 if self.p50_s > 0 else float("inf")
-
-    def as_dict(self) -> dict:
-        return {"size": self.size, "p50_us": self.p50_s * 1e6, "p99_us": self.p99_s * 1e6,
-                "gbps": self.gbps, "n": self.n}
-
-
-def iterations(size: int, budget_bytes: int = 512 << 20, lo: int = 20, hi: int = 3000) -> int:
-    return max(lo, min(hi, budget_bytes // max(size, 1)))
-
-
-def measure(fn: Callable[[], object], size: int, n: int | None = None, warmup: int = 3) -> Timing:
-    n = n or iterations(size)
-    for _ in range(warmup):
-        fn()
-    times = []
-    clock = time.perf_counter
-    for _ in range(n):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    times.sort()
-    return Timing(size, statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))], n)
+from benchmarks.common.timing import Timing, measure
 
 
 def prefaulted(size: int) -> np.ndarray:

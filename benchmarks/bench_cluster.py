@@ -21,11 +21,8 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,18 +30,16 @@ import time
 
 import numpy as np
 
+from benchmarks.common.daemon import Daemon, free_port
+from benchmarks.common.machine import describe, machine
+from benchmarks.common.table import Column, format_table
 from kvstore.units import format_size, parse_size
+from kvstore.workloads.stats import percentiles
 
 BATCH = 32
 PHASES = ("put", "bput", "get", "bget")
 # commands a client sends itself (one round trip each); everything else runs inside the directory scripts
 _TOP_LEVEL = ("evalsha", "eval", "scan", "ping", "subscribe", "script", "client", "hello", "select", "auth")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -73,30 +68,27 @@ def redis_server(workdir: str):
 
 @contextlib.contextmanager
 def daemons(n: int, redis_port: int, namespace: str, capacity: str, transport: str, workdir: str):
+    """``n`` cluster daemons on loopback TCP ports; yields their node ids once all have joined."""
     import redis
 
-    procs, names = [], [f"n{i}" for i in range(n)]
+    nodes, names = [], [f"n{i}" for i in range(n)]
     peer = "tcp" if transport == "tcp" else "auto"
     try:
         for name in names:
-            port = free_port()
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"tcp://127.0.0.1:{port}", "--capacity",
-                 capacity, "--cluster", f"redis://127.0.0.1:{redis_port}/0", "--node-id", name, "--cluster-namespace",
-                 namespace, "--peer-transport", peer, "--log-level", "warning"],
-                stdout=open(os.path.join(workdir, f"{namespace}-{name}.log"), "w"), stderr=subprocess.STDOUT))
+            args = ("--cluster", f"redis://127.0.0.1:{redis_port}/0", "--node-id", name, "--cluster-namespace",
+                    namespace, "--peer-transport", peer)
+            nodes.append(Daemon(workdir, capacity=capacity, unix=False, args=args, log_level="warning",
+                                log_path=os.path.join(workdir, f"{namespace}-{name}.log")).start(timeout=60))
         client = redis.Redis(port=redis_port)
         deadline = time.monotonic() + 60
         while sum(client.exists(f"{namespace}:node:{m}") for m in names) < n:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            if time.monotonic() > deadline or not all(d.running() for d in nodes):
                 raise RuntimeError(f"daemons did not join; logs in {workdir}")
             time.sleep(0.05)
         yield names
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait(30)
+        for d in nodes:
+            d.terminate(signal.SIGTERM, timeout=30)
 
 
 def commands(client) -> tuple[int, int, int]:
@@ -211,25 +203,22 @@ def directory_latency(port: int, rds, samples: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-        times.sort()
-        out[name] = {"p50_us": 1e6 * statistics.median(times), "p99_us": 1e6 * times[int(0.99 * (len(times) - 1))]}
+        p50, p99 = percentiles(times, (50, 99))
+        out[name] = {"p50_us": 1e6 * p50, "p99_us": 1e6 * p99}
     return out
 
 
-def machine() -> str:
-    return f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}"
+COLUMNS = [Column("nodes", ">5", "nodes"), Column("phase", "<6", "phase"), Column("ops/s", ">10.0f", "ops_per_s"),
+           Column("MiB/s", ">9.1f", "mib_per_s"), Column("client RT/op", ">13.3f", "client_rt_per_op"),
+           Column("daemon RT/op", ">13.3f", "daemon_rt_per_op"), Column("redis RT/op", ">12.3f", "redis_rt_per_op"),
+           Column("redis cmds/op", ">14.3f", "redis_cmds_per_op"), Column("redis us/op", ">12.2f", "redis_us_per_op")]
 
 
 def print_table(result: dict) -> None:
     a = result["args"]
     print(f"kvstore cluster benchmark: {result['machine']}; {format_size(a['size'])} objects, {a['ops']} per client, "
           f"transport {a['transport']}")
-    print(f"{'nodes':>5} {'phase':<6} {'ops/s':>10} {'MiB/s':>9} {'client RT/op':>13} {'daemon RT/op':>13} "
-          f"{'redis RT/op':>12} {'redis cmds/op':>14} {'redis us/op':>12}")
-    for r in result["rows"]:
-        print(f"{r['nodes']:>5} {r['phase']:<6} {r['ops_per_s']:>10.0f} {r['mib_per_s']:>9.1f} "
-              f"{r['client_rt_per_op']:>13.3f} {r['daemon_rt_per_op']:>13.3f} {r['redis_rt_per_op']:>12.3f} "
-              f"{r['redis_cmds_per_op']:>14.3f} {r['redis_us_per_op']:>12.2f}")
+    print(format_table(COLUMNS, result["rows"]))
     lat = result["latency"]
     print(f"directory lookup (1 key): p50 {lat['lookup']['p50_us']:.0f} us, p99 {lat['lookup']['p99_us']:.0f} us; "
           f"Redis PING baseline p50 {lat['ping']['p50_us']:.0f} us, p99 {lat['ping']['p99_us']:.0f} us")
@@ -259,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args.size = parse_size(args.size)
     np.random.seed(0)
     workdir = tempfile.mkdtemp(prefix="kvbench-cluster-")
-    result = {"machine": machine(), "args": {"size": args.size, "ops": args.ops, "transport": args.transport},
+    result = {"machine": describe(machine()), "args": {"size": args.size, "ops": args.ops, "transport": args.transport},
               "rows": [], "flush": {}}
     try:
         with redis_server(workdir) as (port, rds):

@@ -20,12 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 
 try:
@@ -34,7 +29,10 @@ except ImportError:  # bench_transports imports this module to ask whether it ca
     torch = None
 
 import kvstore
-from benchmarks.baseline import Timing, measure
+from benchmarks.common.daemon import Daemon
+from benchmarks.common.table import Column
+from benchmarks.common.table import format_table as format_table_of
+from benchmarks.common.timing import Timing, measure
 from kvstore.gpu import runtime as gpu
 from kvstore.units import format_size, parse_size
 
@@ -61,24 +59,10 @@ class Row:
 
 @contextlib.contextmanager
 def daemon(capacity: str, gpu_capacity: str, device: int):
-    tmp = tempfile.mkdtemp(prefix="kvbench-")
-    url = f"unix://{os.path.join(tmp, 'kv.sock')}"
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--listen", url, "--capacity", capacity,
-                             "--gpu-capacity", gpu_capacity, "--device", str(device), "--log-level", "warning"])
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                kvstore.connect(url, timeout=2).close()
-                break
-            except kvstore.StoreConnectionError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("daemon did not start") from None
-                time.sleep(0.05)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+    """``kvstore serve`` with GPU segments on ``device``, on a temporary Unix socket; yields its URL."""
+    args = ("--gpu-capacity", gpu_capacity, "--device", str(device))
+    with Daemon(capacity=capacity, tcp=False, args=args, log_level="warning").start(timeout=60) as d:
+        yield d.url
 
 
 def raw_copy(dst: torch.Tensor, src: torch.Tensor):
@@ -117,15 +101,14 @@ def row(path: str, op: str, t: Timing, baseline: str, b: Timing) -> Row:
     return Row(path, op, t.size, t.p50_s * 1e6, t.p99_s * 1e6, t.gbps, baseline, b.gbps, b.p50_s * 1e6)
 
 
+COLUMNS = [Column("path", "<9", "path"), Column("op", "<9", "op"), Column("size", ">10", lambda r: format_size(r.size)),
+           Column("p50 us", ">9.1f", "p50_us"), Column("p99 us", ">9.1f", "p99_us"), Column("GB/s", ">8.2f", "gbps"),
+           Column("baseline", "<11", "baseline", gap=3), Column("GB/s", ">8.2f", "baseline_gbps"),
+           Column("p50 us", ">9.1f", "baseline_p50_us"), Column("ratio", ">6.2f", "ratio")]
+
+
 def format_table(rows: list[Row]) -> str:
-    head = (f"{'path':<9} {'op':<9} {'size':>10} {'p50 us':>9} {'p99 us':>9} {'GB/s':>8}   {'baseline':<11} "
-            f"{'GB/s':>8} {'p50 us':>9} {'ratio':>6}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r.path:<9} {r.op:<9} {format_size(r.size):>10} {r.p50_us:>9.1f} {r.p99_us:>9.1f} "
-                     f"{r.gbps:>8.2f}   {r.baseline:<11} {r.baseline_gbps:>8.2f} {r.baseline_p50_us:>9.1f} "
-                     f"{r.ratio:>6.2f}")
-    return "\n".join(lines)
+    return format_table_of(COLUMNS, rows, rule=True)
 
 
 def summary(rows: list[Row]) -> str:

@@ -20,8 +20,6 @@ import ctypes
 import json
 import math
 import os
-import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +27,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from benchmarks.common import table
+from benchmarks.common.machine import machine
+from benchmarks.common.table import Column
 from kvstore import KVLayout, KVLayoutKind, ops
+from kvstore.workloads import stats
 
 DEFAULT_BLOCKS = {"cpu": "1,4,16,64,256", "cuda": "1,8,64,512,2048"}
 TARGETS = {"cpu": (0.8, 2.0), "cuda": (0.7, 3.0)}  # (x memcpy, x torch loop), for pages >= 16 KiB
@@ -37,13 +39,6 @@ MIN_TARGET_PAGE = 16 << 10
 
 
 # -- timing ------------------------------------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(rank), math.ceil(rank)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
-
-
 class Clock:
     """Times one call: wall clock on CPU, CUDA events (read at the end of a round) on a GPU."""
 
@@ -99,12 +94,11 @@ def memcpy_fn(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], No
     return lambda dst, src: ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
 
 
-def kernel_only(kind: KVLayoutKind, caches, ids, packed, gather: bool) -> Callable[[], None]:
-    """The copy without the op's per-call validation (arguments validated once, here)."""
-    pages = ops._inspect(kind.value, caches, ids, packed, "out")
-    ptrs = [c.data_ptr() for c in caches]
-    checked = ops._checked_ids(ids, pages.num_cache_blocks, unique=not gather)
-    return lambda: ops._launch(pages, ptrs, checked, packed, gather)
+def kernel_only(layout: KVLayout, caches, ids, packed, gather: bool) -> Callable[[], None]:
+    """The copy without the op's per-call validation (arguments validated once, by ops.prepare_*)."""
+    if gather:
+        return ops.prepare_gather_pages(caches, ids, packed, layout=layout)
+    return ops.prepare_scatter_pages(packed, ids, caches, layout=layout)
 
 
 # -- one size --------------------------------------------------------------------------------------------------------
@@ -148,7 +142,7 @@ def bench_size(layout: KVLayout, caches, n: int, args, device: torch.device) -> 
     rows = []
     for op in args.ops:
         gather = op == "gather"
-        kernels = [kernel_only(layout.kind, caches, ids, buf, gather) for ids, buf in zip(id_sets, packed, strict=True)]
+        kernels = [kernel_only(layout, caches, ids, buf, gather) for ids, buf in zip(id_sets, packed, strict=True)]
         variants: dict[str, Callable[[int], object]] = {
             "op": (lambda i: ops.gather_pages(caches, id_sets[i], packed[i], layout=layout)) if gather else
                   (lambda i: ops.scatter_pages(packed[i], id_sets[i], caches, layout=layout)),
@@ -175,49 +169,41 @@ def bench_size(layout: KVLayout, caches, n: int, args, device: torch.device) -> 
 
 def make_row(op: str, n: int, layout: KVLayout, nbytes: int, samples, warmup: int, device) -> Row:
     timed = {name: values[warmup:] for name, values in samples.items()}
-    median = {name: statistics.median(values) for name, values in timed.items()}
+    median = {name: stats.median(values) for name, values in timed.items()}
     gbps = {name: nbytes / t / 1e9 for name, t in median.items()}
     # Ratios are medians of per-round ratios: the variants of one round ran back to back, under the same load.
-    vs_memcpy = statistics.median(m / o for m, o in zip(timed["memcpy"], timed["op"], strict=True))
-    vs_torch = statistics.median(t / o for t, o in zip(timed["torch"], timed["op"], strict=True))
+    vs_memcpy = stats.median([m / o for m, o in zip(timed["memcpy"], timed["op"], strict=True)])
+    vs_torch = stats.median([t / o for t, o in zip(timed["torch"], timed["op"], strict=True)])
     want_memcpy, want_torch = TARGETS[device.type]
     if layout.page_nbytes < MIN_TARGET_PAGE:
         verdict = "n/a"
     else:
         verdict = "yes" if vs_memcpy >= want_memcpy and vs_torch >= want_torch else "no"
     return Row(op=op, blocks=n, page_kib=layout.page_nbytes / 1024, mib=nbytes / (1 << 20), op_gbps=gbps["op"],
-               op_p50_us=median["op"] * 1e6, op_p99_us=percentile(timed["op"], 99) * 1e6,
+               op_p50_us=median["op"] * 1e6, op_p99_us=stats.percentile(timed["op"], 99) * 1e6,
                kernel_gbps=gbps["kernel"], memcpy_gbps=gbps["memcpy"], torch_gbps=gbps["torch"],
                vs_memcpy=vs_memcpy, vs_torch=vs_torch, meets_target=verdict)
 
 
 # -- report ----------------------------------------------------------------------------------------------------------
-COLUMNS = [("op", "{:<7}"), ("blocks", "{:>6}"), ("page_kib", "{:>8.0f}"), ("mib", "{:>8.1f}"),
-           ("op_gbps", "{:>8.2f}"), ("op_p50_us", "{:>10.0f}"), ("op_p99_us", "{:>10.0f}"),
-           ("kernel_gbps", "{:>11.2f}"),
-           ("memcpy_gbps", "{:>11.2f}"), ("torch_gbps", "{:>10.2f}"), ("vs_memcpy", "{:>9.2f}"),
-           ("vs_torch", "{:>8.1f}"), ("meets_target", "{:>12}")]
+_SPECS = [("op", "<7"), ("blocks", ">6"), ("page_kib", ">8.0f"), ("mib", ">8.1f"), ("op_gbps", ">8.2f"),
+          ("op_p50_us", ">10.0f"), ("op_p99_us", ">10.0f"), ("kernel_gbps", ">11.2f"), ("memcpy_gbps", ">11.2f"),
+          ("torch_gbps", ">10.2f"), ("vs_memcpy", ">9.2f"), ("vs_torch", ">8.1f"), ("meets_target", ">12")]
 
 
 def format_table(rows: list[Row]) -> str:
-    header = " ".join(f"{name:>{len(fmt.format(getattr(rows[0], name)))}}" if rows else name
-                      for name, fmt in COLUMNS)
-    lines = [header, "-" * len(header)]
-    lines += [" ".join(fmt.format(getattr(row, name)) for name, fmt in COLUMNS) for row in rows]
-    return "\n".join(lines)
+    # headers are the field names, right-aligned over the width the first row's value takes
+    widths = {name: len(format(getattr(rows[0], name), spec)) if rows else len(name) for name, spec in _SPECS}
+    columns = [Column(name, spec, name, header_spec=f">{widths[name]}") for name, spec in _SPECS]
+    return table.format_table(columns, rows, rule=True)
 
 
 def describe_machine(device: torch.device) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB"
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} cores, kernel threads {torch.get_num_threads()}, memcpy 1 thread"
+    m = machine()
+    return f"{m['cpu']}, {m['logical_cpus']} cores, kernel threads {torch.get_num_threads()}, memcpy 1 thread"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

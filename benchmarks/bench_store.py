@@ -15,18 +15,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 
 import numpy as np
 
 import kvstore
-from benchmarks.baseline import RawSocket, Timing, measure, memcpy, prefaulted
+from benchmarks.baseline import RawSocket, memcpy, prefaulted
+from benchmarks.common.daemon import Daemon
+from benchmarks.common.machine import describe, machine
+from benchmarks.common.table import Column, format_table
+from benchmarks.common.timing import Timing, measure
 from kvstore.units import format_size, parse_size
 
 DEFAULT_SIZES = "4KiB,64KiB,1MiB,16MiB,64MiB"
@@ -36,40 +34,9 @@ DEFAULT_SIZES = "4KiB,64KiB,1MiB,16MiB,64MiB"
 def daemon(capacity: str, extra_listen: tuple[str, ...] = ()):
     """A real ``kvstore serve`` on a temporary Unix socket and a free loopback port (plus ``extra_listen``
     addresses); yields (unix_url, tcp_url) and stops it with SIGTERM."""
-    tmp = tempfile.mkdtemp(prefix="kvbench-")
-    sock = os.path.join(tmp, "kv.sock")
-    with socket_port() as port:
-        pass
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix://{sock}", "--listen",
-           f"tcp://127.0.0.1:{port}", "--capacity", capacity, "--log-level", "warning"]
-    for url in extra_listen:
-        cmd += ["--listen", url]
-    proc = subprocess.Popen(cmd)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                kvstore.connect(f"unix://{sock}", timeout=2).close()
-                break
-            except kvstore.StoreConnectionError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("daemon did not start") from None
-                time.sleep(0.05)
-        yield f"unix://{sock}", f"tcp://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-
-
-@contextlib.contextmanager
-def socket_port():
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    yield port
+    args = [arg for url in extra_listen for arg in ("--listen", url)]
+    with Daemon(capacity=capacity, args=args, log_level="warning") as d:
+        yield d.unix_url, d.tcp_url
 
 
 def bench_path(store: kvstore.KVStore, size: int) -> dict[str, Timing]:
@@ -131,30 +98,22 @@ def run(sizes: list[int], mooncake: bool = True) -> dict:
                             ref, ref_name = base[size], "memcpy"
                         rows.append({"path": name, "op": op, **t.as_dict(), "baseline": ref_name,
                                      "baseline_gbps": ref.gbps, "ratio": t.gbps / ref.gbps})
-    return {"machine": machine(), "rows": rows,
+    return {"machine": describe(machine()), "rows": rows,
             "mooncake": compare_mooncake(rows, sizes) if mooncake else {"available": False, "reason": "skipped"},
             "baselines": {"memcpy": {s: base[s].as_dict() for s in sizes},
                           "raw_socket_put": {s: raw_put[s].as_dict() for s in sizes},
                           "raw_socket_get": {s: raw_get[s].as_dict() for s in sizes}}}
 
 
-def machine() -> str:
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{platform.node()}: {os.cpu_count()} cores, {cpu}, Python {platform.python_version()}"
+COLUMNS = [Column("path", "<11", "path"), Column("op", "<8", "op"),
+           Column("size", ">9", lambda r: format_size(r["size"])), Column("p50 us", ">10.1f", "p50_us"),
+           Column("p99 us", ">10.1f", "p99_us"), Column("GB/s", ">7.2f", "gbps"), Column("baseline", ">10", "baseline"),
+           Column("base GB/s", ">9.2f", "baseline_gbps"), Column("ratio", ">6.2f", "ratio")]
 
 
 def print_table(result: dict) -> None:
     print(f"# kvstore store benchmark — {result['machine']}")
-    print(f"{'path':<11} {'op':<8} {'size':>9} {'p50 us':>10} {'p99 us':>10} {'GB/s':>7} "
-          f"{'baseline':>10} {'base GB/s':>9} {'ratio':>6}")
-    for r in result["rows"]:
-        print(f"{r['path']:<11} {r['op']:<8} {format_size(r['size']):>9} {r['p50_us']:>10.1f} {r['p99_us']:>10.1f} "
-              f"{r['gbps']:>7.2f} {r['baseline']:>10} {r['baseline_gbps']:>9.2f} {r['ratio']:>6.2f}")
+    print(format_table(COLUMNS, result["rows"]))
     mc = result["mooncake"]
     if not mc["available"]:
         print(f"# Mooncake Store: not measured ({mc['reason']})")

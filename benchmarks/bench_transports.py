@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -32,9 +31,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 import kvstore
-from benchmarks.baseline import RawSocket, Timing, prefaulted
+from benchmarks.baseline import RawSocket, prefaulted
 from benchmarks.bench_store import daemon as store_daemon
-from benchmarks.bench_store import machine
+from benchmarks.common.machine import describe, machine
+from benchmarks.common.timing import Timing, timing_of
 from kvstore.units import format_size, parse_size
 
 DEFAULT_SIZES = "4KiB,64KiB,1MiB,16MiB,256MiB"
@@ -63,11 +63,7 @@ def interleaved(fns: list[Callable[[], object]], size: int, rounds: int = 8) -> 
                 t0 = clock()
                 fn()
                 acc.append(clock() - t0)
-    out = []
-    for acc in times:
-        acc.sort()
-        out.append(Timing(size, statistics.median(acc), acc[min(len(acc) - 1, int(len(acc) * 0.99))], len(acc)))
-    return out
+    return [timing_of(size, acc) for acc in times]
 
 
 @contextlib.contextmanager
@@ -202,7 +198,7 @@ def run(sizes: list[int], wanted: list[str]) -> dict:
         from benchmarks import bench_cuda_ipc
 
         rows += bench_cuda_ipc.transport_rows(sizes)
-    return {"machine": machine(), "load_before": load_before, "load_after": os.getloadavg(),
+    return {"machine": describe(machine()), "load_before": load_before, "load_after": os.getloadavg(),
             "seconds": time.monotonic() - started, "ucx": ucx_info(ucx_reason), "rows": rows,
             "not_measured": skipped}
 

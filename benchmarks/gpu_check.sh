@@ -61,7 +61,7 @@ build_cuda() {  # in place, no network: setuptools and pybind11 come from the ma
 
 cuda_tests() {
     # --noconftest: these suites need no fixtures, so a conftest written for the daemon tests cannot break them
-    "$PY" -m pytest -q -p no:cacheprovider --noconftest tests/test_ops_cuda.py tests/test_ops.py -x || return 1
+    "$PY" -m pytest -q -p no:cacheprovider --noconftest tests/unit/test_ops_cuda.py tests/unit/test_ops.py -x || return 1
     tail -n 1 "$LOG_DIR/cuda_tests.log" >"$SUMMARY" 2>/dev/null || true
 }
 
@@ -77,12 +77,23 @@ EOF
 }
 
 cuda_ipc_tests() {  # needs the conftest: these tests start real daemons
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_ipc.py -x || return 1
+    "$PY" -m pytest -q -p no:cacheprovider tests/integration/gpu/test_cuda_ipc.py -x || return 1
     tail -n 1 "$LOG_DIR/cuda_ipc_tests.log" >"$SUMMARY" 2>/dev/null || true
 }
 
 bench_cuda_ipc() {  # store put/get_into of CUDA tensors vs a raw copy: cuda_ipc vs D2D, shm vs pinned D2H/H2D
     "$PY" -m benchmarks.bench_cuda_ipc --json "$LOG_DIR/bench_cuda_ipc.json" --summary "$SUMMARY"
+}
+
+bench_handoff_cuda() {  # publish/fetch of CUDA caches: device gather, one D2H copy into the segment; the reverse
+    "$PY" -m benchmarks.bench_handoff --device cuda --blocks 1,16,64 --layouts llama --paths embedded,daemon-shm \
+        --iters 10 --json "$LOG_DIR/bench_handoff_cuda.json" || return 1
+    "$PY" - "$LOG_DIR/bench_handoff_cuda.json" >"$SUMMARY" <<'EOF'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["blocks"] == 64 and r["op"] in ("publish", "fetch")]
+print("; ".join(f"{r['path']} {r['op']} 64 blk: {r['gbps']:.1f} GB/s, {r['x_memcpy']:.2f}x host memcpy"
+                for r in rows))
+EOF
 }
 
 run_check gpu_info gpu_info
@@ -91,6 +102,7 @@ run_check cuda_tests cuda_tests
 run_check bench_pages_cuda bench_pages_cuda
 run_check cuda_ipc_tests cuda_ipc_tests
 run_check bench_cuda_ipc bench_cuda_ipc
+run_check bench_handoff_cuda bench_handoff_cuda
 # (append transport and store checks here)
 
 print_table  # the benchmark's full table is in $LOG_DIR/bench_pages_cuda.log, its rows in bench_pages_cuda.json

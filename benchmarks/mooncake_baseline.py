@@ -23,8 +23,9 @@ memcpy inside one process (its TCP-only auto-detection turns ``MC_STORE_MEMCPY``
 kvstore's embedded store.
 
 Everything started is stopped before ``measure`` returns, on error too (each child also gets
-``PR_SET_PDEATHSIG`` so it dies with the calling process). Statistics match ``benchmarks.baseline``:
-median and the ``int(0.99 * n)``-th sorted sample, GB/s = size / p50 / 1e9.
+``PR_SET_PDEATHSIG`` so it dies with the calling process). Statistics are ``benchmarks.common.timing``'s
+(median and p99 of ``kvstore.workloads.stats``, GB/s = size / p50 / 1e9), computed in this process from the
+client's raw times.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -266,7 +266,7 @@ def measure(sizes: list[int] | None = None, modes: tuple[str, ...] | list[str] =
             time_budget_s: float = TIME_BUDGET_S) -> dict:
     """Mooncake Store timings for each size and mode (``tcp``: client and segment in two processes;
     ``local``: one process). Never raises: ``available`` is False and ``reason`` says why when it
-    could not run. Rows have the keys of ``benchmarks.baseline.Timing.as_dict`` plus ``path``/``op``."""
+    could not run. Rows have the keys of ``benchmarks.common.timing.Timing.as_dict`` plus ``path``/``op``."""
     sizes = sorted(set(int(s) for s in (sizes or DEFAULT_SIZES)))
     t_start = time.monotonic()
     result: dict = {"available": False, "reason": None, "package": None, "rows": [], "modes": list(modes),
@@ -341,7 +341,11 @@ def _measure_mode(master: str, sizes: list[int], mode: str, op_budget: float) ->
                 data = json.load(f)
         finally:
             procs.stop()
-    rows = [{"path": PATH_NAME[mode], **r} for r in data["rows"]]
+    # the client (a script, without the project on its path) reports raw times; statistics are made here
+    from benchmarks.common.timing import timing_of
+
+    rows = [{"path": PATH_NAME[mode], "op": r["op"], **timing_of(r["size"], r["times_s"]).as_dict()}
+            for r in data["rows"]]
     detail = {"master_argv": master_argv, "startup_s": round(startup_s, 2), "segment_bytes": segment,
               "mc_env": {k: v for k, v in _child_env().items() if k.startswith("MC_")},
               "client_setup_s": data.get("setup_s"), "loopback_bytes_per_get_into": data.get("lo_bytes")}
@@ -384,14 +388,6 @@ def _holder_main(cfg_path: str) -> int:
 
 def _iterations(size: int) -> int:
     return max(MIN_ITERS, min(MAX_ITERS, BUDGET_BYTES // size))
-
-
-def _stats(size: int, times: list[float]) -> dict:
-    times = sorted(times)
-    p50 = statistics.median(times)
-    p99 = times[min(len(times) - 1, int(len(times) * 0.99))]
-    return {"size": size, "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
-            "gbps": size / p50 / 1e9 if p50 > 0 else float("inf"), "n": len(times)}
 
 
 def _timed(fn, n: int, warmup: int, budget_s: float) -> list[float]:
@@ -490,7 +486,7 @@ def _client_main(cfg_path: str) -> int:
                 times = _timed(fn, n, warmup, cfg["op_budget_s"])
                 if lo0 is not None and (lo1 := _lo_bytes()) is not None:
                     lo_bytes = (lo1 - lo0) // (warmup + len(times))
-                rows.append({"op": op, **_stats(size, times)})
+                rows.append({"op": op, "size": size, "times_s": times})
             if not np.array_equal(buf[biggest:biggest + size], value):
                 raise RuntimeError(f"get_into returned wrong bytes at size {size}")
             if bytes(store.get(key)) != value.tobytes():
@@ -530,10 +526,12 @@ def print_table(result: dict) -> None:
     if not result["available"]:
         print(f"not measured: {result['reason']}")
         return
-    print(f"{'path':<15} {'op':<9} {'size':>7} {'p50 us':>10} {'p99 us':>10} {'GB/s':>7} {'n':>5}")
-    for r in result["rows"]:
-        print(f"{r['path']:<15} {r['op']:<9} {format_size(r['size']):>7} {r['p50_us']:>10.1f} "
-              f"{r['p99_us']:>10.1f} {r['gbps']:>7.2f} {r['n']:>5}")
+    from benchmarks.common.table import Column, format_table
+
+    print(format_table([Column("path", "<15", "path"), Column("op", "<9", "op"),
+                        Column("size", ">7", lambda r: format_size(r["size"])), Column("p50 us", ">10.1f", "p50_us"),
+                        Column("p99 us", ">10.1f", "p99_us"), Column("GB/s", ">7.2f", "gbps"),
+                        Column("n", ">5", "n")], result["rows"]))
     for mode, d in result.get("details", {}).items():
         print(f"# {mode}: startup {d['startup_s']} s, client setup {d['client_setup_s']} s, "
               f"loopback bytes per get_into of the largest size {d['loopback_bytes_per_get_into']}")

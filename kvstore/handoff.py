@@ -23,7 +23,6 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 import msgpack
@@ -31,6 +30,8 @@ import torch
 import xxhash
 
 from kvstore import ops
+from kvstore.client.pages import block_tensor, check_object
+from kvstore.client.reservation import Reservation
 from kvstore.client.store import KVStore
 from kvstore.core.meta import RequestMeta
 from kvstore.errors import (
@@ -41,7 +42,7 @@ from kvstore.errors import (
     LayoutMismatchError,
     ObjectBusyError,
 )
-from kvstore.layout import KVLayout
+from kvstore.layout import KVLayout, dtype_name
 
 STATUS_GRACE_S = 600.0  # status records outlive their request by this long, so "expired" can be shown
 _POLL_SLICE_S = 0.25  # how often a waiting consumer also checks that the producer is still alive
@@ -109,41 +110,68 @@ class KVHandoff:
     # ---- prefill side -------------------------------------------------------------------------------
     def publish(self, request_id: str, kv_caches: Sequence[torch.Tensor], block_ids: Any, *, num_tokens: int,
                 token_ids: Sequence[int] | None = None, ttl: float = 60.0) -> Ticket:
-        """Pack the request's pages now (the caller may reuse its blocks as soon as this returns) and commit
-        them with their RequestMeta in the background; nothing is visible to ``fetch`` until all is."""
+        """Gather the request's pages now, straight into store memory reserved for its chunks (the caller may
+        reuse its blocks as soon as this returns), and commit them with their RequestMeta in the background;
+        nothing is visible to ``fetch`` until all is."""
         rid = _check_request_id(request_id)
         ids = self._block_tensor(block_ids, kv_caches)
         self._check_counts(num_tokens, len(ids), token_ids)
-        packed = torch.empty(ops.packed_shape(self.layout, len(ids)), dtype=self.layout.dtype, device=ids.device)
-        ops.gather_pages(kv_caches, ids, packed, layout=self.layout)
-        packed = packed.cpu()
-        keys = request_keys(rid)
-        self.store.put(keys["claim"], self.producer.encode(), ttl=ttl, ephemeral=True)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-handoff")
-        future = self._pool.submit(self._commit, rid, packed, num_tokens, token_ids, ttl)
-        return Ticket(rid, future)
-
-    def _commit(self, rid: str, packed: torch.Tensor, num_tokens: int, token_ids, ttl: float) -> RequestMeta:
-        keys = request_keys(rid)
-        bounds = [(b, min(b + self.chunk_blocks, len(packed))) for b in range(0, len(packed), self.chunk_blocks)]
+        bounds = [(b, min(b + self.chunk_blocks, len(ids))) for b in range(0, len(ids), self.chunk_blocks)]
         if token_ids is not None:
             names = chunk_keys(self.layout, token_ids, self.chunk_tokens)
         else:
             names = [f"hf/{rid}/chunk/{i}" for i in range(len(bounds))]
-        chunks = [packed[b0:b1] for b0, b1 in bounds]
-        raw = [memoryview(c.view(torch.uint8).reshape(-1).numpy()) for c in chunks]
+        keys = request_keys(rid)
+        claim = keys["claim"]  # held from the start, with a status record: a consumer can tell a producer that died
+        self.store.put(claim, self.producer.encode(), ttl=ttl, ephemeral=True)
+        self.store.put(keys["status"], self._status("publishing", None, rid, ttl), ttl=ttl + self.status_ttl)
+        batch = self.store.reservation(ttl=ttl)
+        try:
+            checksums = [self._gather_chunk(batch, name, kv_caches, ids[b0:b1])
+                         for name, (b0, b1) in zip(names, bounds, strict=True)]
+        except BaseException:
+            batch.abort()
+            _quietly(self.store.remove, claim)
+            raise
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-handoff")
+        chunk_blocks = tuple(b1 - b0 for b0, b1 in bounds)
+        future = self._pool.submit(self._commit, rid, batch, names, chunk_blocks, checksums, num_tokens, token_ids,
+                                   ttl)
+        return Ticket(rid, future)
+
+    def _gather_chunk(self, batch: Reservation, key: str, kv_caches: Sequence[torch.Tensor],
+                      ids: torch.Tensor) -> int:
+        """Reserve one chunk, gather its blocks into it, and return its xxh3 (taken right after the copy)."""
+        shape = ops.packed_shape(self.layout, len(ids))
+        view = batch.add(key, ops.packed_nbytes(self.layout, len(ids)), kind="torch",
+                         dtype=dtype_name(self.layout.dtype), shape=shape)
+        if ids.device.type != "cpu":  # one gather on the device, one device-to-host copy into the store
+            staged = torch.empty(shape, dtype=self.layout.dtype, device=ids.device)
+            ops.gather_pages(kv_caches, ids, staged, layout=self.layout)
+            ops.packed_view(view, self.layout, len(ids)).copy_(staged)
+        else:
+            ops.gather_pages(kv_caches, ids, view, layout=self.layout)
+        return xxhash.xxh3_64_intdigest(view)
+
+    def _commit(self, rid: str, batch: Reservation, names: list[str], chunk_blocks: tuple[int, ...],
+                checksums: list[int], num_tokens: int, token_ids, ttl: float) -> RequestMeta:
+        keys = request_keys(rid)
+        nbytes = sum(chunk_blocks) * self.layout.block_nbytes
         meta = RequestMeta(
             request_id=rid, layout=self.layout.to_dict(), fingerprint=self.layout.fingerprint(),
-            num_tokens=num_tokens, num_blocks=len(packed), chunk_keys=tuple(names),
-            chunk_blocks=tuple(b1 - b0 for b0, b1 in bounds), checksums=tuple(xxhash.xxh3_64_intdigest(r) for r in raw),
-            producer=self.producer, created=time.time(), ttl=ttl, token_hash=_token_hash(token_ids),
-            nbytes=sum(len(r) for r in raw))
-        # The status goes first: a consumer may fetch (and mark it fetched) the moment the batch commits.
-        self.store.put(keys["status"], self._status("published", meta), ttl=ttl + self.status_ttl)
+            num_tokens=num_tokens, num_blocks=sum(chunk_blocks), chunk_keys=tuple(names), chunk_blocks=chunk_blocks,
+            checksums=tuple(checksums), producer=self.producer, created=time.time(), ttl=ttl,
+            token_hash=_token_hash(token_ids), nbytes=nbytes)
         try:
-            items = list(zip(names, raw, strict=True)) + [(keys["meta"], msgpack.packb(meta.to_wire()))]
-            self.store.batch_put(items, ttl=ttl)
+            # The status goes first: a consumer may fetch (and mark it fetched) the moment the batch commits.
+            self.store.put(keys["status"], self._status("published", meta), ttl=ttl + self.status_ttl)
+            record = msgpack.packb(meta.to_wire())
+            batch.add(keys["meta"], len(record))[:] = record
+            batch.commit([*checksums, None])
+        except BaseException:
+            batch.abort()
+            raise
         finally:
             _quietly(self.store.remove, keys["claim"])
         if self.store.exists(keys["cancel"]):  # cancelled while we were committing: take it back
@@ -179,8 +207,7 @@ class KVHandoff:
         if meta is None:
             raise HandoffAbortedError(f"request {rid!r} disappeared (cancelled, expired or fetched by another worker)")
         self._check_meta(meta, len(ids), num_tokens)
-        packed = self._read_chunks(meta)
-        ops.scatter_pages(packed.to(ids.device), ids, kv_caches, layout=self.layout)
+        self._scatter_chunks(meta, ids, kv_caches)
         self.last_fetch = FetchResult(meta, meta.nbytes, published - started, time.perf_counter() - published)
         self.store.put(request_keys(rid)["status"], self._status("fetched", meta), ttl=meta.ttl + self.status_ttl)
         self._drop(meta, keep_chunks=keep)
@@ -206,15 +233,25 @@ class KVHandoff:
         keys = chunk_keys(self.layout, token_ids[:n_tokens], self.chunk_tokens)
         n_blocks = math.ceil(n_tokens / self.layout.block_size)
         ids = self._block_tensor(block_ids, kv_caches)[:n_blocks]
-        packed = torch.empty(ops.packed_shape(self.layout, n_blocks), dtype=self.layout.dtype)
-        for i, key in enumerate(keys):
-            b0 = i * self.chunk_blocks
-            b1 = min(b0 + self.chunk_blocks, n_blocks)
-            try:
-                self.store.get_into(key, packed[b0:b1], verify=True)
-            except KeyNotFoundError:
-                return 0  # evicted since lookup: nothing written, the caller recomputes
-        ops.scatter_pages(packed.to(ids.device), ids, kv_caches, layout=self.layout)
+        items = [(key, ids[i * self.chunk_blocks:min((i + 1) * self.chunk_blocks, n_blocks)])
+                 for i, key in enumerate(keys)]
+        leased: list = []
+        try:
+            for key, chunk_ids in items:
+                try:
+                    obj = self.store.get(key, copy=False, verify=True)
+                except KeyNotFoundError:
+                    return 0  # evicted since lookup: nothing written, the caller recomputes
+                leased.append(obj)
+                check_object(obj.meta, self.layout, len(chunk_ids))
+            for obj, (_, chunk_ids) in zip(leased, items, strict=True):
+                src = ops.packed_view(memoryview(obj), self.layout, len(chunk_ids))
+                ops.scatter_pages(src if ids.device.type == "cpu" else src.to(ids.device), chunk_ids, kv_caches,
+                                  layout=self.layout)
+                del src
+        finally:
+            for obj in leased:
+                obj.release()
         return n_tokens
 
     # ---- inspection ---------------------------------------------------------------------------------
@@ -230,7 +267,7 @@ class KVHandoff:
             except KeyNotFoundError:
                 continue
             keys = request_keys(record["request_id"])
-            if record["state"] == "published" and not store.exists(keys["meta"]):
+            if record["state"] in ("publishing", "published") and not store.exists(keys["meta"]):
                 if store.exists(keys["claim"]):
                     record["state"] = "publishing"
                 else:  # never committed (producer died) or gone at its TTL
@@ -284,21 +321,32 @@ class KVHandoff:
             raise LayoutMismatchError(f"request {meta.request_id!r}: producer has {meta.num_tokens} tokens, "
                                       f"consumer expects {num_tokens}")
 
-    def _read_chunks(self, meta: RequestMeta) -> torch.Tensor:
-        packed = torch.empty(ops.packed_shape(self.layout, meta.num_blocks), dtype=self.layout.dtype)
-        bounds = [sum(meta.chunk_blocks[:i]) for i in range(len(meta.chunk_blocks) + 1)]
-        chunks = [packed[b0:b1] for b0, b1 in pairwise(bounds)]
+    def _scatter_chunks(self, meta: RequestMeta, ids: torch.Tensor, kv_caches: Sequence[torch.Tensor]) -> None:
+        """Lease every chunk (zero-copy views where the store is mapped), verify each against the checksum the
+        producer published, and only then scatter them straight from the store's memory into the caches."""
+        leased: list = []
         try:
-            self.store.batch_get_into(list(meta.chunk_keys), chunks)  # one directory lookup in a cluster
-        except KeyNotFoundError as exc:
-            raise HandoffAbortedError(f"request {meta.request_id!r}: a chunk is gone (evicted or expired): "
-                                      f"{exc}; recompute") from None
-        for key, chunk, checksum in zip(meta.chunk_keys, chunks, meta.checksums, strict=True):
-            actual = xxhash.xxh3_64_intdigest(memoryview(chunk.view(torch.uint8).reshape(-1).numpy()))
-            if actual != checksum:
-                raise HandoffAbortedError(f"request {meta.request_id!r}: chunk {key} has checksum {actual:#x}, "
-                                          f"the producer published {checksum:#x}; nothing was written")
-        return packed
+            for key, checksum in zip(meta.chunk_keys, meta.checksums, strict=True):
+                try:
+                    leased.append(self.store.get(key, copy=False))
+                except KeyNotFoundError as exc:
+                    raise HandoffAbortedError(f"request {meta.request_id!r}: a chunk is gone (evicted or expired): "
+                                              f"{exc}; recompute") from None
+                actual = xxhash.xxh3_64_intdigest(memoryview(leased[-1]))
+                if actual != checksum:
+                    raise HandoffAbortedError(f"request {meta.request_id!r}: chunk {key} has checksum {actual:#x}, "
+                                              f"the producer published {checksum:#x}; nothing was written")
+            start = 0
+            for obj, n in zip(leased, meta.chunk_blocks, strict=True):
+                src = ops.packed_view(memoryview(obj), self.layout, n)
+                chunk_ids = ids[start:start + n]
+                ops.scatter_pages(src if ids.device.type == "cpu" else src.to(ids.device), chunk_ids, kv_caches,
+                                  layout=self.layout)
+                start += n
+                del src
+        finally:
+            for obj in leased:
+                obj.release()
 
     def _drop(self, meta: RequestMeta, keep_chunks: bool) -> None:
         """Remove the request's meta and its request-scoped chunks. Prefix-keyed chunks may be shared with
@@ -311,23 +359,19 @@ class KVHandoff:
                 if key.startswith(own):
                     _quietly(self.store.remove, key)
 
-    def _status(self, state: str, meta: RequestMeta | None, rid: str | None = None) -> bytes:
+    def _status(self, state: str, meta: RequestMeta | None, rid: str | None = None, ttl: float = 0.0) -> bytes:
         record = {"request_id": meta.request_id if meta else rid, "state": state, "updated": time.time(),
                   "created": meta.created if meta else time.time(), "bytes": meta.nbytes if meta else 0,
                   "chunks": len(meta.chunk_keys) if meta else 0, "num_tokens": meta.num_tokens if meta else 0,
                   "model_id": self.layout.model_id, "layout": self.layout.kind.value,
                   "fingerprint": self.layout.fingerprint(), "producer": meta.producer if meta else "",
-                  "ttl": meta.ttl if meta else 0.0}
+                  "ttl": meta.ttl if meta else ttl}
         return msgpack.packb(record)
 
     def _block_tensor(self, block_ids: Any, kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
         if not kv_caches:
             raise ValueError("kv_caches is empty; expected one tensor per layer")
-        device = kv_caches[0].device
-        if isinstance(block_ids, torch.Tensor):
-            return block_ids.to(device=device, dtype=torch.int64) if block_ids.dtype not in (torch.int32, torch.int64) \
-                or block_ids.device != device else block_ids
-        return torch.as_tensor(list(block_ids), dtype=torch.int64, device=device)
+        return block_tensor(block_ids, kv_caches[0].device)  # integers only: TypeError names the dtype
 
     def _check_counts(self, num_tokens: int, num_blocks: int, token_ids) -> None:
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:

@@ -18,14 +18,16 @@ import collections
 import functools
 import importlib
 import threading
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvstore.layout import KVLayout, KVLayoutKind, dtype_name
 
-__all__ = ["packed_shape", "packed_nbytes", "gather_pages", "scatter_pages"]
+__all__ = ["packed_shape", "packed_nbytes", "packed_view", "gather_pages", "scatter_pages", "prepare_gather_pages",
+           "prepare_scatter_pages"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -45,6 +47,46 @@ def packed_nbytes(layout: KVLayout, num_blocks: int) -> int:
     return num_blocks * layout.block_nbytes
 
 
+def packed_view(buffer, layout: KVLayout, num_blocks: int | None = None) -> torch.Tensor:
+    """A packed tensor over ``buffer``'s bytes, without copying: any C-contiguous object of the buffer protocol
+    (a store's reserved or leased memory, a bytearray, a numpy array) reinterpreted as the layout's dtype and
+    ``packed_shape(layout, num_blocks)``. ``num_blocks`` defaults to what the buffer holds; the buffer must be
+    exactly ``packed_nbytes(layout, num_blocks)`` long. A read-only buffer gives a tensor that must not be
+    written (scatter reads it; gather refuses it)."""
+    _check_layout_type(layout)
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TypeError(f"expected a torch.Tensor or a buffer, got {type(buffer).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError("expected a C-contiguous buffer")
+    nbytes = view.nbytes
+    if num_blocks is None:
+        if layout.block_nbytes == 0 or nbytes % layout.block_nbytes:
+            raise ValueError(f"buffer of {nbytes} bytes is not a whole number of {layout.block_nbytes}-byte blocks")
+        num_blocks = nbytes // layout.block_nbytes
+    expected = packed_nbytes(layout, num_blocks)
+    if nbytes != expected:
+        raise ValueError(f"buffer: expected {expected} bytes for {num_blocks} blocks, got {nbytes}")
+    if nbytes == 0:
+        return torch.empty(packed_shape(layout, 0), dtype=layout.dtype)
+    flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")  # leased, read-only views
+        raw = torch.frombuffer(flat, dtype=torch.uint8)
+    return raw.view(layout.dtype).view(packed_shape(layout, num_blocks))
+
+
+def _as_packed(packed, layout: KVLayout, block_ids, writable: bool) -> torch.Tensor:
+    """``packed`` as given when it is a tensor; a buffer becomes a packed view over its bytes."""
+    if isinstance(packed, torch.Tensor) or isinstance(packed, (tuple, list)) or packed is None:
+        return packed  # tensors go as they are; the rest fails in _check_call with the usual message
+    if writable and memoryview(packed).readonly:
+        raise ValueError("out: expected a writable buffer, got a read-only one")
+    count = len(block_ids) if isinstance(block_ids, torch.Tensor) and block_ids.dim() == 1 else None
+    return packed_view(packed, layout, count)
+
+
 def gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor, *,
                  layout: KVLayout) -> torch.Tensor:
     """Copy blocks ``block_ids`` of every layer into ``out`` and return ``out``.
@@ -52,8 +94,10 @@ def gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out
     ``kv_caches``: one tensor per layer, each of shape ``layout.cache_shape(num_cache_blocks)`` (any strides);
     ``block_ids``: 1-D int32/int64 on the caches' device, each in ``[0, num_cache_blocks)`` (repeats allowed);
     ``out``: contiguous, ``packed_shape(layout, len(block_ids))``, the caches' dtype and device, not
-    overlapping any cache. Raises TypeError/ValueError before anything is copied.
+    overlapping any cache — or a writable buffer of exactly that many bytes (e.g. memory reserved in a store,
+    see :func:`packed_view`; CPU caches only). Raises TypeError/ValueError before anything is copied.
     """
+    out = _as_packed(out, layout, block_ids, writable=True)
     kv_caches = _check_call(layout, kv_caches, block_ids, out, "out")
     torch.ops.kvstore.gather_pages(kv_caches, block_ids, out, layout.kind.value)
     return out
@@ -65,10 +109,65 @@ def scatter_pages(src: torch.Tensor, block_ids: torch.Tensor, kv_caches: Sequenc
 
     Shapes as for :func:`gather_pages`, with ``src`` in the place of ``out``. ``block_ids`` must not repeat
     (two writes to one block would race), and the caches must be distinct, non-self-overlapping tensors that
-    do not overlap ``src``. Raises TypeError/ValueError before anything is copied.
+    do not overlap ``src``. ``src`` may also be a buffer (e.g. a store's leased zero-copy view; CPU caches
+    only). Raises TypeError/ValueError before anything is copied.
     """
+    src = _as_packed(src, layout, block_ids, writable=False)
     kv_caches = _check_call(layout, kv_caches, block_ids, src, "src")
     torch.ops.kvstore.scatter_pages(src, block_ids, kv_caches, layout.kind.value)
+
+
+def prepare_gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor, *,
+                         layout: KVLayout) -> Callable[[], None]:
+    """Validate a :func:`gather_pages` call once and return a function that runs its copy again and again.
+
+    For callers that repeat one copy many times (benchmarks timing the kernel alone, an engine re-using a
+    fixed staging buffer). Arguments and errors as for :func:`gather_pages`, raised here, before any copy;
+    except that on CPU the block-id range (and, for scatter, repeats) is checked by the extension on every
+    call, so a bad id raises ValueError from the returned function, still before a byte is copied.
+    ``block_ids`` is copied now, so later changes to it do not reach the prepared call; the tensors must
+    stay allocated with the same shapes (the call keeps them alive). The returned function takes no
+    arguments, runs (CPU) or enqueues on the current stream (CUDA) one kernel, and returns None.
+    """
+    kv_caches = _check_call(layout, kv_caches, block_ids, out, "out")
+    return _prepare(layout.kind.value, kv_caches, block_ids, out, gather=True)
+
+
+def prepare_scatter_pages(src: torch.Tensor, block_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor], *,
+                          layout: KVLayout) -> Callable[[], None]:
+    """Validate a :func:`scatter_pages` call once and return a function that runs its copy again and again.
+
+    As :func:`prepare_gather_pages`, with the checks and errors of :func:`scatter_pages`."""
+    kv_caches = _check_call(layout, kv_caches, block_ids, src, "src")
+    return _prepare(layout.kind.value, kv_caches, block_ids, src, gather=False)
+
+
+def _prepare(layout_kind: str, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, packed: torch.Tensor,
+             gather: bool) -> Callable[[], None]:
+    """Every check the registered op makes, once; then a launch of the checked arguments."""
+    name = "out" if gather else "src"
+    pages = _inspect(layout_kind, kv_caches, block_ids, packed, name)
+    ids = _checked_ids(block_ids, pages.num_cache_blocks, unique=not gather).clone()
+    ptrs = [t.data_ptr() for t in kv_caches]
+    if not gather:
+        _check_writable_caches(kv_caches, ptrs)
+    _check_disjoint(packed, name, kv_caches, ptrs, ids, gather=gather)
+    return _PreparedCopy(tuple(kv_caches), pages, ptrs, ids, packed, gather)
+
+
+@dataclass(frozen=True, slots=True)
+class _PreparedCopy:
+    """A validated copy; holding the caches keeps ``ptrs`` valid for as long as the copy can be run."""
+
+    kv_caches: tuple[torch.Tensor, ...]
+    pages: _Pages
+    ptrs: list[int]
+    ids: torch.Tensor
+    packed: torch.Tensor
+    gather: bool
+
+    def __call__(self) -> None:
+        _launch(self.pages, self.ptrs, self.ids, self.packed, self.gather)
 
 
 # -- the registered ops --------------------------------------------------------------------------------------

@@ -17,10 +17,8 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,6 +27,7 @@ import paths as _paths
 import pytest
 
 import kvstore
+from benchmarks.common import daemon as launcher
 
 HELPERS = str(_paths.HELPERS)
 STORE_KINDS = ("embedded", "daemon-shm", "daemon-tcp")
@@ -36,15 +35,9 @@ MiB = 1 << 20
 
 
 # ---- small utilities ----------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def short_tmpdir() -> str:
-    """A short directory under /tmp: Unix socket paths are limited to ~107 bytes."""
-    return tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+free_port = launcher.free_port
+short_tmpdir = launcher.short_tmpdir
+can_connect = launcher.can_connect
 
 
 def shm_segments(pid: int) -> list[str]:
@@ -52,21 +45,12 @@ def shm_segments(pid: int) -> list[str]:
 
 
 def child_env() -> dict:
+    """The environment of a test's child process: this checkout first on PYTHONPATH, unbuffered output."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     root = str(_paths.ROOT)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     return env
-
-
-def can_connect(family: int, address) -> bool:
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(address)
-        except OSError:
-            return False
-    return True
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
@@ -79,123 +63,44 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
 
 
 # ---- the daemon ---------------------------------------------------------------------------------------
-class Daemon:
-    """One ``kvstore serve`` subprocess listening on a Unix socket and a loopback TCP port."""
+class Daemon(launcher.Daemon):
+    """One ``kvstore serve`` subprocess listening on a Unix socket and a loopback TCP port, started by the
+    benchmarks' launcher (benchmarks/common/daemon.py), with the suite's checks: a failed start and an
+    unclean stop are test failures (AssertionError).
+
+    ``args`` are extra serve flags and ``env`` additions to :func:`child_env`; ``token_file`` is passed as
+    ``--token-file``."""
 
     def __init__(self, workdir: str, *, capacity: str = "64MiB", args: tuple[str, ...] = (),
                  unix_path: str | None = None, port: int | None = None, metrics_port: int | None = None,
-                 token_file: str | None = None):
-        self.workdir = workdir
-        self.capacity = capacity
-        self.args = tuple(args)
-        self.unix_path = unix_path or os.path.join(workdir, f"kv-{uuid.uuid4().hex[:8]}.sock")
-        self._fixed_port = port is not None
-        self.port = port if port is not None else free_port()
-        self.metrics_port = metrics_port
+                 token_file: str | None = None, env: dict[str, str] | None = None):
+        serve_args = (("--token-file", token_file) if token_file is not None else ()) + tuple(args)
+        super().__init__(workdir, capacity=capacity, args=serve_args, env={**child_env(), **(env or {})},
+                         log_level="info", unix_path=unix_path, port=port, metrics_port=metrics_port)
         self.token_file = token_file
-        self.log_path = os.path.join(workdir, f"daemon-{uuid.uuid4().hex[:8]}.log")
-        self.proc: subprocess.Popen | None = None
-        self.stopped = False
-
-    @property
-    def unix_url(self) -> str:
-        return f"unix://{self.unix_path}"
-
-    @property
-    def tcp_url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", self.unix_url, "--listen", self.tcp_url,
-               "--capacity", self.capacity, "--log-level", "info"]
-        if self.metrics_port is not None:
-            cmd += ["--metrics-port", str(self.metrics_port)]
-        if self.token_file is not None:
-            cmd += ["--token-file", self.token_file]
-        return cmd + list(self.args)
 
     def start(self, timeout: float = 30.0) -> Daemon:
-        for attempt in range(3):
-            log = open(self.log_path, "ab")
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                         env=child_env(), start_new_session=True)
-            log.close()
-            self.stopped = False
-            if self._wait_ready(timeout):
-                return self
-            if "Address already in use" in self.log() and not self._fixed_port and attempt < 2:
-                self.port = free_port()  # lost a race for the port with another process: try another
-                continue
-            break
-        self.kill()
-        raise AssertionError(f"daemon did not become ready within {timeout} s:\n{self.log()}")
-
-    def _wait_ready(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            if (can_connect(socket.AF_UNIX, self.unix_path)
-                    and can_connect(socket.AF_INET, ("127.0.0.1", self.port))):
-                return True
-            time.sleep(0.05)
-        return False
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log(self) -> str:
         try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()[-6000:]
-        except OSError:
-            return "<no log>"
+            return super().start(timeout)
+        except launcher.DaemonStartError as exc:
+            raise AssertionError(str(exc)) from None
 
     def connect(self, transport: str = "shm", timeout: float = 10.0, **kw) -> kvstore.KVStore:
         url = self.tcp_url if transport == "tcp" else self.unix_url
         return kvstore.connect(url, transport=transport, timeout=timeout, **kw)
 
-    def rss_bytes(self) -> int:
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS line")
-
-    def send(self, sig: int) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
         """Stop gracefully and check that the daemon cleaned up after itself."""
         if self.proc is None or self.stopped:
             return
-        self.stopped = True
         pid = self.proc.pid
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
         try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"daemon {pid} did not exit within {timeout} s of {signal.Signals(sig).name}:\n"
-                                 f"{self.log()}") from None
+            rc = self.terminate(sig, timeout)
+        except TimeoutError as exc:
+            raise AssertionError(str(exc)) from None
         assert rc == 0, f"daemon {pid} exited with {rc} after {signal.Signals(sig).name}:\n{self.log()}"
         assert shm_segments(pid) == [], f"daemon {pid} left shared memory behind: {shm_segments(pid)}"
         assert not os.path.exists(self.unix_path), f"daemon {pid} left its socket {self.unix_path}"
-
-    def kill(self) -> None:
-        """SIGKILL (no cleanup expected)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.stopped = True
 
 
 @pytest.fixture

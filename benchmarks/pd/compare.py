@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.common.machine import machine as common_machine
 from benchmarks.pd.admission import AdmissionKind, Budgeted, Budgets, Immediate
 from benchmarks.pd.costmodel import CostModel, calibrate
 from benchmarks.pd.deployment import Arch, DeploymentConfig, run
@@ -112,20 +112,9 @@ class RunData:
 
 
 def machine() -> dict:
-    import torch
+    import torch  # noqa: F401 -- the description names torch's version when it is imported
 
-    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                  if line.startswith("model name")), platform.processor() or "unknown")
-    return {"cpu": model, "logical_cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
+    return {**common_machine(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.workloads.stats import median
+
 PREFILL_POINTS = (16, 64, 128, 256, 512, 768, 1024)
 DECODE_POINTS = ((1, 64), (1, 1024), (4, 512), (8, 256), (8, 2048), (16, 1024), (16, 4096), (32, 2048))
 
@@ -72,7 +74,7 @@ def calibrate(model_config, block_size: int = 16, repeats: int = 3) -> CostModel
                 t = time.perf_counter()
                 model(ids, batch, cache)
                 times.append(time.perf_counter() - t)
-            return float(np.median(times))  # the median, not the best: workers share a busy machine
+            return median(times)  # the median, not the best: workers share a busy machine
 
         p_rows, p_y = [], []
         for n in (n for n in PREFILL_POINTS if n < max_len):
@@ -89,4 +91,4 @@ def calibrate(model_config, block_size: int = 16, repeats: int = 3) -> CostModel
         torch.set_num_threads(threads)
     prefill, p_err = _fit(p_rows, p_y)
     decode, d_err = _fit(d_rows, d_y)
-    return CostModel(prefill, decode, float(np.median(p_err + d_err)))
+    return CostModel(prefill, decode, median(p_err + d_err))

@@ -30,6 +30,7 @@ from benchmarks.pd.summary import summarize
 from benchmarks.pd.trace import Trace
 from benchmarks.pd.transfer import StoreSpec, Transport
 from benchmarks.pd.worker import WorkerSpec
+from kvstore.workloads import runschema
 
 TIMELINE_FIELDS = ("start_s", "end_s", "prefill_tokens", "decode_tokens", "prefill_seqs", "running", "blocks_used",
                    "transfer_s")
@@ -193,16 +194,17 @@ def _store_stats(daemon: StoreDaemon | None) -> dict | None:
 
 
 def _write_outputs(out_dir: Path, records: list, summary: dict, stats: list[dict]) -> None:
-    with open(out_dir / "requests.jsonl", "w") as f:
+    with open(out_dir / runschema.REQUESTS_FILE, "w") as f:
         for record in records:
             f.write(json.dumps(record.to_json()) + "\n")
-    with open(out_dir / "timeline.jsonl", "w") as f:
+    with open(out_dir / runschema.TIMELINE_FILE, "w") as f:
         for s in stats:
             for step in s["timeline"]:
                 fields = dict(zip(TIMELINE_FIELDS, step, strict=True))
                 f.write(json.dumps({"worker": s["worker"], "role": s["role"], **fields})
                         + "\n")
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / runschema.SUMMARY_FILE).write_text(json.dumps({**runschema.summary_header(), **summary}, indent=2)
+                                                  + "\n")
 
 
 class _NoBar:

@@ -21,9 +21,8 @@ import bisect
 from dataclasses import dataclass
 from itertools import pairwise
 
-import numpy as np
-
 from benchmarks.pd.summary import distribution
+from kvstore.workloads.stats import percentile
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +48,7 @@ def _pcts(d: dict | None) -> dict | None:
 
 
 def _p(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 6) if values else None
+    return round(percentile(values, q), 6) if values else None
 
 
 def slo_block(rows: list[dict], slo: Slo, duration_s: float) -> dict:

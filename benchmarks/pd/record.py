@@ -1,6 +1,7 @@
 """What happened to one request across the whole deployment: one line of ``requests.jsonl``.
 
-Times are seconds since the run's start. Definitions (the same for every architecture):
+Field names, units and which times are absolute: :mod:`kvstore.workloads.runschema` (the planner reads
+these logs back through it). Times are seconds since the run's start. Definitions (the same for every architecture):
 
 - ``prefill_queue_s``: arrival -> the first step that ran any of its prompt.
 - ``ttft_s``: arrival -> the first output token reaches the client. Collocated: the end of the last prefill
@@ -19,6 +20,8 @@ Times are seconds since the run's start. Definitions (the same for every archite
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from kvstore.workloads.runschema import request_row
 
 
 @dataclass(slots=True)
@@ -108,7 +111,7 @@ class RequestRecord:
             return None if t is None else round(t, 6)
 
         transfer = self.publish_s + self.fetch_s if self.handed_off else 0.0
-        return {
+        return request_row({
             "id": self.id, "class": self.klass, "arrival_s": round(self.arrival_s, 6),
             "prompt_tokens": self.prompt_tokens, "output_tokens": len(self.output_token_ids),
             "target_output_tokens": self.output_tokens, "dispatch_s": r6(self.dispatch_s),
@@ -126,4 +129,4 @@ class RequestRecord:
             "fetch_s": round(self.fetch_s, 6), "recomputed": self.recomputed, "refetched": self.refetched,
             "lost": self.lost,
             "errors": self.errors,
-        }
+        })

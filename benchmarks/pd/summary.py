@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.pd.record import RequestRecord
+from kvstore.workloads.stats import percentiles
 
 PERCENTILES = (50, 90, 99)
 
@@ -14,7 +15,7 @@ def distribution(values: list[float]) -> dict | None:
     if not values:
         return None
     arr = np.asarray(values, dtype=np.float64)
-    out = {f"p{p}": round(float(np.percentile(arr, p)), 6) for p in PERCENTILES}
+    out = {f"p{p}": round(v, 6) for p, v in zip(PERCENTILES, percentiles(arr, PERCENTILES), strict=True)}
     out.update(mean=round(float(arr.mean()), 6), max=round(float(arr.max()), 6), n=len(values))
     return out
 

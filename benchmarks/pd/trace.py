@@ -1,6 +1,8 @@
 """Request traces: seeded Poisson workloads and readers for the Mooncake and Azure 2023 formats.
 
-Every trace is a tuple of :class:`TraceRequest` with concrete prompt token ids, deterministic from the seed.
+The files are read by :mod:`kvstore.workloads.tracefile`, the one reader shared with the planner (its
+length policy: 0 is read as 1, negative is an error). Every trace is a tuple of :class:`TraceRequest`
+with concrete prompt token ids, deterministic from the seed.
 Real traces are far larger than a CPU model can serve, so lengths and time are scaled by explicit factors
 (:class:`TraceScaling`) that end up in the run's summary. Nothing is truncated silently: a request that does
 not fit the engine is an error unless an explicit cap was asked for, and capped requests are counted.
@@ -12,17 +14,18 @@ token ids, so two requests with the same leading ids start with the same tokens.
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from dataclasses import dataclass, replace
-from datetime import datetime
 from enum import Enum
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
-MOONCAKE_BLOCK_TOKENS = 512
+from kvstore.workloads.tracefile import MOONCAKE_BLOCK_TOKENS, TraceFormat, read_records
+
+__all__ = ["MOONCAKE_BLOCK_TOKENS", "WORKLOADS", "Trace", "TraceFormat", "TraceRequest", "TraceScaling", "Workload",
+           "WorkloadSpec", "generate", "load_trace", "read_azure", "read_mooncake"]
 
 
 class Workload(Enum):
@@ -30,19 +33,6 @@ class Workload(Enum):
     LONG = "long"
     MIXED = "mixed"
     BURST = "burst"  # interactive short requests, and a background burst of long documents a third of the way in
-
-
-class TraceFormat(Enum):
-    MOONCAKE = "mooncake"  # jsonl: timestamp (ms), input_length, output_length, hash_ids
-    AZURE = "azure"  # csv: TIMESTAMP, ContextTokens, GeneratedTokens
-
-    @classmethod
-    def from_path(cls, path: Path) -> TraceFormat:
-        by_suffix = {".jsonl": cls.MOONCAKE, ".csv": cls.AZURE}
-        try:
-            return by_suffix[path.suffix.lower()]
-        except KeyError:
-            raise ValueError(f"cannot tell the trace format of {path}; expected one of {sorted(by_suffix)}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,35 +205,19 @@ def read_mooncake(path: str | Path, *, num_requests: int | None = None, seed: in
     block_tokens = math.ceil(MOONCAKE_BLOCK_TOKENS * scaling.prompt_scale)
     blocks: dict[int, list[int]] = {}
     items = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if num_requests is not None and len(items) >= num_requests:
-                break
-            if not line.strip():
-                continue
-            rec = _mooncake_record(json.loads(line), path, lineno)
-            n_in = scaling.prompt_len(rec["input_length"])
-            prompt: list[int] = []
-            for h in rec["hash_ids"]:
-                if h not in blocks:
-                    blocks[h] = _random_tokens(seed, h, block_tokens, vocab_size)
-                prompt.extend(blocks[h])
-            if len(prompt) < n_in:
-                raise ValueError(f"{path}:{lineno}: {len(rec['hash_ids'])} hash blocks cannot hold "
-                                 f"{rec['input_length']} input tokens")
-            items.append((rec["timestamp"] / 1000.0, prompt[:n_in], scaling.output_len(rec["output_length"]),
-                          rec["input_length"], rec["output_length"]))
+    for rec in islice(read_records(path, TraceFormat.MOONCAKE), num_requests):
+        n_in = scaling.prompt_len(rec.prompt_tokens)
+        prompt: list[int] = []
+        for h in rec.prefix_ids:
+            if h not in blocks:
+                blocks[h] = _random_tokens(seed, h, block_tokens, vocab_size)
+            prompt.extend(blocks[h])
+        if len(prompt) < n_in:
+            raise ValueError(f"{path}:{rec.line}: {len(rec.prefix_ids)} hash blocks cannot hold "
+                             f"{rec.prompt_tokens} input tokens")
+        items.append((rec.arrival_s, prompt[:n_in], scaling.output_len(rec.output_tokens),
+                      rec.prompt_tokens, rec.output_tokens))
     return _finish(path.stem, str(path), items, scaling, seed)
-
-
-def _mooncake_record(rec: dict, path: Path, lineno: int) -> dict:
-    for key, kind in (("timestamp", (int, float)), ("input_length", int), ("output_length", int),
-                      ("hash_ids", list)):
-        if not isinstance(rec.get(key), kind):
-            raise ValueError(f"{path}:{lineno}: field {key!r} missing or not {kind}: {rec.get(key)!r}")
-    if rec["input_length"] < 1 or rec["output_length"] < 1:
-        raise ValueError(f"{path}:{lineno}: lengths must be >= 1: {rec['input_length']}, {rec['output_length']}")
-    return rec
 
 
 def read_azure(path: str | Path, *, num_requests: int | None = None, seed: int = 0, vocab_size: int = 4096,
@@ -251,23 +225,10 @@ def read_azure(path: str | Path, *, num_requests: int | None = None, seed: int =
     """Read an Azure LLM inference 2023 CSV (``TIMESTAMP, ContextTokens, GeneratedTokens``)."""
     path = Path(path)
     items = []
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"{path}: missing columns {sorted(missing)}; found {reader.fieldnames}")
-        for i, row in enumerate(reader):
-            if num_requests is not None and i >= num_requests:
-                break
-            try:
-                when = datetime.fromisoformat(row["TIMESTAMP"].strip()).timestamp()
-                n_in, n_out = int(row["ContextTokens"]), int(row["GeneratedTokens"])
-            except ValueError as exc:
-                raise ValueError(f"{path}: row {i + 2}: {exc}") from None
-            if n_in < 1 or n_out < 1:
-                raise ValueError(f"{path}: row {i + 2}: lengths must be >= 1, got {n_in}, {n_out}")
-            prompt = _random_tokens(seed, i, scaling.prompt_len(n_in), vocab_size)
-            items.append((when, prompt, scaling.output_len(n_out), n_in, n_out))
+    for i, rec in enumerate(islice(read_records(path, TraceFormat.AZURE), num_requests)):
+        prompt = _random_tokens(seed, i, scaling.prompt_len(rec.prompt_tokens), vocab_size)
+        items.append((rec.arrival_s, prompt, scaling.output_len(rec.output_tokens), rec.prompt_tokens,
+                      rec.output_tokens))
     return _finish(path.stem, str(path), items, scaling, seed)
 
 

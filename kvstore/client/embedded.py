@@ -17,7 +17,7 @@ from kvstore.core.digest import Digest
 from kvstore.core.master import Master, Replica, describe_replica
 from kvstore.core.meta import ObjectMeta
 from kvstore.core.value import KVObject, Payload
-from kvstore.errors import StoreConnectionError
+from kvstore.errors import KVStoreError, StoreConnectionError
 from kvstore.memory.segment import SegmentSet
 
 
@@ -77,6 +77,26 @@ class EmbeddedStore(KVStore):
             raise
         with self._lock:
             return [r.meta for r in self._m().commit_many([r.id for r in replicas], checksums)]
+
+    def _reserve(self, meta: ObjectMeta, flags: PutFlags) -> tuple[Any, memoryview]:
+        with self._lock:
+            replica = self._m().begin_put(meta, self._client, if_absent=flags.if_absent, pin=flags.pin,
+                                          ephemeral=flags.ephemeral)
+        return replica.id, self._region(replica)
+
+    def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int]
+                         ) -> list[ObjectMeta]:
+        with self._lock:
+            return [r.meta for r in self._m().commit_many(list(handles), list(checksums))]
+
+    def _abort_reserved(self, handles: list[Any], quiet: bool = False) -> None:
+        with self._lock:
+            for put_id in handles:
+                try:
+                    self._master.abort(put_id)
+                except KVStoreError:
+                    if not quiet:
+                        raise  # already aborted: commit_many aborts all of them when it fails
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
         lease_id, replica = self._acquire(key)

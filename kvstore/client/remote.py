@@ -19,7 +19,7 @@ from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta
 from kvstore.core.value import KVObject, Payload
-from kvstore.errors import InvalidArgumentError, ObjectTooLargeError, StoreConnectionError, TransportError
+from kvstore.errors import InvalidArgumentError, KVStoreError, ObjectTooLargeError, StoreConnectionError, TransportError
 from kvstore.memory.device import DeviceBuffer
 from kvstore.memory.index import IndexReader
 from kvstore.memory.shm import SharedMemory, SharedMemoryError
@@ -121,6 +121,42 @@ class RemoteStore(KVStore):
             raise
         return [meta.with_commit(digest(), v, c)
                 for (meta, _), digest, v, c in zip(items, digests, reply["versions"], reply["created"], strict=True)]
+
+    def _reserve(self, meta: ObjectMeta, flags: PutFlags) -> tuple[Any, memoryview]:
+        if not isinstance(self._data, ShmTransport):  # tcp, ucx: a staging buffer sent at commit
+            return super()._reserve(meta, flags)
+        if meta.size > self.capacity:
+            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
+        reply = self._conn.call({"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(),
+                                 "if_absent": flags.if_absent, "pin": flags.pin, "ephemeral": flags.ephemeral,
+                                 "defer": True, "mode": "region"})
+        try:
+            view = self._data.region(reply["segment"], reply["offset"], meta.size)
+        except BaseException:
+            self._abort_reserved([reply["put_id"]], quiet=True)
+            raise
+        return ("region", reply["put_id"]), view
+
+    def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int]
+                         ) -> list[ObjectMeta]:
+        if not handles or handles[0][0] != "region":
+            return super()._commit_reserved(handles, metas, checksums)
+        reply = self._conn.call({"op": "commit_many", "put_ids": [h[1] for h in handles],
+                                 "checksums": list(checksums)})
+        return [meta.with_commit(c, v, t) for meta, c, v, t in
+                zip(metas, checksums, reply["versions"], reply["created"], strict=True)]
+
+    def _abort_reserved(self, handles: list[Any], quiet: bool = False) -> None:
+        if not handles or handles[0][0] != "region":
+            return super()._abort_reserved(handles, quiet)
+        if self._conn.closed:
+            return  # the daemon revoked them when the connection dropped
+        for _, put_id in handles:
+            try:
+                self._conn.call({"op": "abort", "put_id": put_id})
+            except KVStoreError:
+                if not quiet:
+                    raise
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
         if self._index is not None:

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstore.client import registry
+from kvstore.client import pages, registry
+from kvstore.client.reservation import Reservation
 from kvstore.core.digest import Digest, checksum_of
 from kvstore.core.meta import ObjectMeta, validate_key, validate_ttl, validate_user_meta
 from kvstore.core.value import KVObject, Payload, as_payload, writable_view
@@ -23,6 +24,15 @@ from kvstore.units import parse_size
 
 if TYPE_CHECKING:
     from kvstore.client.device import DeviceMemory
+    from kvstore.layout import KVLayout
+
+
+class _Known(Digest):
+    """A checksum computed by whoever wrote the bytes."""
+
+    def __init__(self, value: int):
+        super().__init__(memoryview(b""))
+        self._view, self._value = None, value
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +106,66 @@ class KVStore(ABC):
             return []
         digests = [Digest(payload.view) for _, payload in prepared]
         return self._put_many(prepared, digests, flags=flags)
+
+    # ---- writes in place ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def reserve(self, key: str, nbytes: int, meta: dict | None = None, ttl: float | None = None, *,
+                ephemeral: bool = False) -> Iterator[memoryview]:
+        """Reserve ``nbytes`` for ``key`` and yield a writable, C-contiguous byte view to fill; the object is
+        committed (visible atomically) when the block exits, aborted (nothing visible, space freed) if it
+        raises. On the embedded store and a same-host daemon (shm) the view is the object's own memory in
+        the segment: a single copy writes it. Elsewhere it is a staging buffer sent at commit.
+
+        ``with store.reserve("k", n) as buf: fill(buf)``. StoreFullError, ObjectTooLargeError and
+        InvalidKeyError are raised before the block runs."""
+        with self.batch_reserve([(key, nbytes)], ttl=ttl, ephemeral=ephemeral, metas=[meta]) as views:
+            yield views[0]
+
+    @contextlib.contextmanager
+    def batch_reserve(self, items: Iterable[tuple[str, int]], ttl: float | None = None, *,
+                      ephemeral: bool = False, metas: Sequence[dict | None] | None = None
+                      ) -> Iterator[list[memoryview]]:
+        """Reserve several objects and yield their views; all of them commit together at exit (in order),
+        or none does (an exception inside, a failed commit, this process dying)."""
+        items = list(items)
+        if metas is not None and len(metas) != len(items):
+            raise InvalidArgumentError(f"batch_reserve got {len(items)} items but {len(metas)} metas")
+        with self.reservation(ttl=ttl, ephemeral=ephemeral) as batch:
+            views = [batch.add(key, nbytes, meta=metas[i] if metas else None)
+                     for i, (key, nbytes) in enumerate(items)]
+            yield views
+
+    def reservation(self, ttl: float | None = None, *, ephemeral: bool = False) -> Reservation:
+        """An open set of in-place writes: ``add(key, nbytes, ...)`` reserves one and returns its view,
+        ``commit(checksums)`` publishes all, ``abort()`` frees all (see :mod:`kvstore.client.reservation`)."""
+        return Reservation(self, PutFlags(ephemeral=ephemeral), ttl)
+
+    # ---- paged KV -----------------------------------------------------------------------------------
+    def put_pages(self, key: str, kv_caches: Sequence[Any], block_ids: Any, *, layout: KVLayout,
+                  meta: dict | None = None, ttl: float | None = None, ephemeral: bool = False) -> ObjectMeta:
+        """Store blocks ``block_ids`` of every layer's cache as one packed object (``ops.packed_shape(layout,
+        len(block_ids))``), gathered straight into the store's memory where it is mapped (one copy).
+        Block ids must be integers (TypeError otherwise); layout errors are raised before anything is
+        reserved."""
+        return self.batch_put_pages([(key, block_ids)], kv_caches, layout=layout, meta=meta, ttl=ttl,
+                                    ephemeral=ephemeral)[0]
+
+    def batch_put_pages(self, items: Sequence[tuple[str, Any]], kv_caches: Sequence[Any], *, layout: KVLayout,
+                        meta: dict | None = None, ttl: float | None = None, ephemeral: bool = False
+                        ) -> list[ObjectMeta]:
+        """Several packed objects (key, block ids) of the same caches, committed all or nothing."""
+        return pages.put_pages(self, items, kv_caches, layout, ttl, ephemeral, meta)
+
+    def get_pages(self, key: str, kv_caches: Sequence[Any], block_ids: Any, *, layout: KVLayout,
+                  verify: bool = False) -> int:
+        """Scatter the packed object ``key`` into blocks ``block_ids`` of every layer's cache, straight from
+        the store's memory under a lease; returns the bytes moved. LayoutMismatchError (size or dtype) and,
+        with ``verify``, ChecksumError are raised before a byte is written into the caches."""
+        return pages.get_pages(self, [(key, block_ids)], kv_caches, layout, verify)
+
+    def batch_get_pages(self, items: Sequence[tuple[str, Any]], kv_caches: Sequence[Any], *, layout: KVLayout,
+                        verify: bool = False) -> int:
+        return pages.get_pages(self, items, kv_caches, layout, verify)
 
     # ---- reads --------------------------------------------------------------------------------------
     def get(self, key: str, *, copy: bool = True, verify: bool = False) -> KVObject:
@@ -205,6 +275,25 @@ class KVStore(ABC):
                                 "recorded at commit")
 
     # ---- backend primitives -------------------------------------------------------------------------
+    # In-place writes. The default stages in a client buffer and stores it with _put_many at commit; backends
+    # whose memory the caller can map (embedded, a same-host daemon) hand out the object's own memory.
+    def _reserve(self, meta: ObjectMeta, flags: PutFlags) -> tuple[Any, memoryview]:
+        """Reserve ``meta.size`` bytes for ``meta``; return (handle, writable view)."""
+        staging = bytearray(meta.size)
+        return (meta, staging, flags), memoryview(staging)  # the caller's view is released before commit
+
+    def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int]
+                         ) -> list[ObjectMeta]:
+        """Commit reserved objects at once with these checksums (abort them all on failure)."""
+        items = [(meta, Payload(memoryview(staging), meta.kind, meta.dtype, meta.shape))
+                 for meta, staging, _ in handles]
+        digests = [_Known(c) for c in checksums]
+        return self._put_many(items, digests, flags=handles[0][2])
+
+    def _abort_reserved(self, handles: list[Any], quiet: bool = False) -> None:
+        """Free reserved objects (staging buffers: nothing was sent; they go with their handles)."""
+        handles.clear()
+
     @abstractmethod
     def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: PutFlags) -> ObjectMeta:
         """Store ``payload``; record ``digest()`` as its checksum at commit."""

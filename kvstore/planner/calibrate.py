@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvstore.planner.costmodel import CostModel, TransferModel
-from kvstore.planner.deployment import Arch
+from kvstore.planner.deployment import Arch, deployment_of
 from kvstore.planner.samples import StepSample, decode_samples, prefill_samples
 from kvstore.workloads.runlog import RunLog
+from kvstore.workloads.stats import median
 
 OVERLAPS = (0.0, 0.25, 0.5, 0.75, 1.0)
 _COEFS = ("base_s", "weight_s", "token_s", "seq_s", "pair_s", "ctx_s")
@@ -72,7 +73,7 @@ def _fit_overlap(samples: list[StepSample], overlap: float) -> tuple[np.ndarray,
     kinds = np.array([s.kind for s in samples])
     scale = np.ones(len(y))
     for kind in set(kinds):
-        scale[kinds == kind] = np.median(y[kinds == kind])
+        scale[kinds == kind] = median(y[kinds == kind])
     regime = np.array([s.kind == "decode" for s in samples])  # decode steps start memory-bound
     x = np.zeros(len(_COEFS))
     for _ in range(20):
@@ -107,7 +108,7 @@ def fit_transfer(runs: list[RunLog]) -> tuple[TransferModel | None, int, float]:
         return None, len(moved), math.nan
     b = np.array([r.kv_bytes for r in moved], dtype=float)
     t = np.array([r.transfer_s for r in moved], dtype=float)
-    scale = float(np.median(t))
+    scale = median(t)
     lat, inv_bw = _nnls(np.column_stack([np.ones(len(b)), b]) / scale, t / scale)
     if inv_bw <= 0:  # sizes too alike or fixed costs dominate: latency only, bandwidth unbounded
         inv_bw = 1e-15
@@ -143,7 +144,7 @@ def calibrate(runs: list[RunLog], template: CostModel) -> Fit:
     recorded = {run.find("kv_bytes_per_token") for run in runs} - {None}
     kv = [r.kv_bytes / r.prompt_tokens for run in runs for r in run.requests if r.kv_bytes > 0]
     kv_per_token = int(min(recorded)) if recorded else \
-        int(round(float(np.median(kv)))) if kv else template.kv_bytes_per_token
+        int(round(median(kv))) if kv else template.kv_bytes_per_token
     capacities = {run.kv_capacity_tokens for run in runs} - {None}
     capacity = min(capacities) if capacities else template.kv_capacity_tokens
     cost = replace(template, name=f"{template.name.split(' ')[0]} (calibrated on {len(runs)} run(s))",
@@ -189,7 +190,7 @@ def compare_run(run: RunLog, cost: CostModel, transfer: TransferModel | None,
     if per_run:
         fit = calibrate([run], cost)
         cost, transfer = fit.cost, fit.transfer or transfer
-    dep = run.deployment()
+    dep = deployment_of(run)
     if dep.arch is Arch.DISAGGREGATED and transfer is None:
         raise ValueError(f"{run.path}: a disaggregated run needs a transfer model (none could be fitted)")
     if run.kv_capacity_tokens:
@@ -201,6 +202,6 @@ def compare_run(run: RunLog, cost: CostModel, transfer: TransferModel | None,
         raise ValueError(f"{run.path}: no request has two or more output tokens; TPOT cannot be compared")
     return RunComparison(
         path=run.path, arch=dep.arch.value, requests=len(run.requests), per_run=per_run,
-        measured_ttft_p50=float(np.median([r.ttft_s for r in run.requests])),
-        simulated_ttft_p50=float(np.median([r.ttft_s for r in sim.requests if not r.rejected])),
-        measured_tpot_p50=float(np.median(tpots)), simulated_tpot_p50=float(np.median(sim_tpots)))
+        measured_ttft_p50=median([r.ttft_s for r in run.requests]),
+        simulated_ttft_p50=median([r.ttft_s for r in sim.requests if not r.rejected]),
+        measured_tpot_p50=median(tpots), simulated_tpot_p50=median(sim_tpots))

@@ -3,34 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
+from kvstore.workloads.arch import Arch
+from kvstore.workloads.runlog import RunLog
 
-class Arch(Enum):
-    """Serving architecture.
-
-    - ``COLOCATED``: every worker prefills and decodes; a waiting prefill runs before the next decode step
-      (prefill-first continuous batching, vLLM's classic scheduler).
-    - ``CHUNKED``: every worker runs steps of at most ``chunk_tokens`` tokens: all running decodes plus
-      chunks of waiting prompts (Sarathi-Serve).
-    - ``DISAGGREGATED``: prefill workers and decode workers; the KV cache moves over the link between them
-      (DistServe, Mooncake).
-    """
-
-    COLOCATED = "colocated"
-    CHUNKED = "chunked"
-    DISAGGREGATED = "disaggregated"
-
-    @classmethod
-    def parse(cls, value: str | Arch) -> Arch:
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, str):
-            raise TypeError(f"arch must be a string or Arch, got {type(value).__name__} {value!r}")
-        try:
-            return cls(value.strip().lower())
-        except ValueError:
-            raise ValueError(f"unknown arch {value!r}; choose one of {', '.join(a.value for a in cls)}") from None
+__all__ = ["Arch", "Deployment", "deployment_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +65,22 @@ class Deployment:
         if self.arch is Arch.CHUNKED:
             return f"chunked x{self.workers}{tp} ({self.chunk_tokens} tok/step)"
         return f"colocated x{self.workers}{tp}"
+
+
+def deployment_of(run: RunLog) -> Deployment:
+    """A measured run's deployment as its summary.json describes it (engine defaults where it is silent)."""
+    if run.arch is None:
+        raise ValueError(f"{run.path}: summary.json does not say the arch (colocated/chunked/disaggregated)")
+    workers = run.find_list("workers")
+    if workers and all(isinstance(w, dict) for w in workers):
+        total = len(workers)
+        prefill = sum(1 for w in workers if str(w.get("role", "")).startswith("prefill-only"))
+    else:
+        total = int(run.find("workers", "num_workers", "n_workers") or 2)
+        prefill = int(run.find("prefill_workers", "num_prefill_workers") or 1)
+    common = dict(max_batch=int(run.find("max_running", "max_batch") or 256),
+                  max_prefill_tokens=int(run.find("prefill_batch_tokens", "max_prefill_tokens") or 16384))
+    if run.arch is Arch.DISAGGREGATED:
+        return Deployment(Arch.DISAGGREGATED, gpus=total, prefill_workers=max(1, prefill), **common)
+    chunk = int(run.find("chunk_budget", "chunk_tokens", "token_budget") or 512)
+    return Deployment(run.arch, gpus=total, chunk_tokens=chunk, **common)

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvstore.workloads.stats import percentile
+
 if TYPE_CHECKING:
     from kvstore.planner.simulator import SimResult
 
@@ -145,7 +147,7 @@ class GapHistogram:
 
 
 def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else NAN
+    return percentile(values, q) if values else NAN
 
 
 def summarize(result: SimResult, slo: SLO) -> Metrics:

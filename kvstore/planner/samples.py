@@ -22,6 +22,7 @@ import numpy as np
 from kvstore.planner.costmodel import prefill_pairs
 from kvstore.planner.deployment import Arch
 from kvstore.workloads.runlog import RunLog
+from kvstore.workloads.stats import median
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +109,7 @@ def decode_samples(run: RunLog, tol_s: float = 50e-6) -> list[StepSample]:
         gaps = [t - prev for prev, _, k in members if k >= 2]  # previous token came from a decode step too
         if not gaps:
             continue
-        gap = float(np.median(gaps))
+        gap = median(gaps)
         step = steps.at(worker, t, tol_s)
         ctx = sum(c for _, c, _ in members)
         if step is not None:

@@ -1,6 +1,8 @@
 """Request traces for the planner: the Mooncake and Azure 2023 formats, and a built-in Poisson generator.
 
-A trace is arrival times plus prompt/output lengths, and optionally prefix-block ids (Mooncake's
+The files are read by :mod:`kvstore.workloads.tracefile` (the one reader, shared with the small engine in
+``benchmarks/pd``); this module builds the planner's model from its records. A trace is arrival times plus
+prompt/output lengths, and optionally prefix-block ids (Mooncake's
 ``hash_ids``: one id per ``block_tokens`` prompt tokens; equal ids across requests are a shared prefix).
 Scaling is explicit (:meth:`Trace.scaled`) and recorded on the trace so reports can print it; nothing is
 truncated silently (:meth:`Trace.head` records how many requests the source had).
@@ -8,16 +10,17 @@ truncated silently (:meth:`Trace.head` records how many requests the source had)
 
 from __future__ import annotations
 
-import csv
-import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 
-MOONCAKE_BLOCK_TOKENS = 512
+from kvstore.workloads.tracefile import MOONCAKE_BLOCK_TOKENS, TraceFormat, TraceRecord, read_records
+
+__all__ = ["MOONCAKE_BLOCK_TOKENS", "WORKLOADS", "Trace", "TraceRequest", "Workload", "get_workload", "load_trace",
+           "poisson", "read_azure", "read_mooncake"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,54 +102,22 @@ class Trace:
 
 def read_mooncake(path: str | Path) -> Trace:
     """Mooncake jsonl: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids`` per line."""
-    path = Path(path)
-    rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                rows.append((float(rec["timestamp"]) / 1e3, int(rec["input_length"]),
-                             int(rec["output_length"]), tuple(int(h) for h in rec.get("hash_ids", ()))))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({exc!r}): {line[:80]!r}") from None
-    return _build(path.stem, rows, MOONCAKE_BLOCK_TOKENS)
-
-
-def _parse_azure_time(text: str) -> float:
-    # "2023-11-16 18:17:03.9799600": seven fractional digits, which strptime's %f (six) rejects.
-    base, _, frac = text.strip().partition(".")
-    stamp = datetime.strptime(base, "%Y-%m-%d %H:%M:%S").timestamp()
-    return stamp + (float("0." + frac) if frac else 0.0)
+    return _build(Path(path).stem, read_records(path, TraceFormat.MOONCAKE))
 
 
 def read_azure(path: str | Path) -> Trace:
     """Azure LLM inference trace 2023 CSV: ``TIMESTAMP,ContextTokens,GeneratedTokens``."""
-    path = Path(path)
-    rows = []
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"{path}: not an Azure 2023 trace, missing columns {sorted(missing)}")
-        for lineno, rec in enumerate(reader, 2):
-            try:
-                rows.append((_parse_azure_time(rec["TIMESTAMP"]), int(rec["ContextTokens"]),
-                             int(rec["GeneratedTokens"]), ()))
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: bad Azure trace row {rec!r} ({exc})") from None
-    return _build(path.stem, rows, MOONCAKE_BLOCK_TOKENS)
+    return _build(Path(path).stem, read_records(path, TraceFormat.AZURE))
 
 
-def _build(name: str, rows: list[tuple], block_tokens: float) -> Trace:
+def _build(name: str, records: Iterator[TraceRecord]) -> Trace:
+    rows = sorted(records, key=lambda r: r.arrival_s)
     if not rows:
         raise ValueError(f"trace {name!r} is empty")
-    rows.sort(key=lambda r: r[0])
-    t0 = rows[0][0]
-    # Lengths of 0 occur in some traces; a request still needs one prompt and one output token.
-    reqs = tuple(TraceRequest(i, t - t0, max(1, p), max(1, o), h) for i, (t, p, o, h) in enumerate(rows))
-    return Trace(name=name, requests=reqs, block_tokens=block_tokens)
+    t0 = rows[0].arrival_s
+    reqs = tuple(TraceRequest(i, r.arrival_s - t0, r.prompt_tokens, r.output_tokens, r.prefix_ids)
+                 for i, r in enumerate(rows))
+    return Trace(name=name, requests=reqs, block_tokens=MOONCAKE_BLOCK_TOKENS)
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -154,12 +125,8 @@ def load_trace(path: str | Path) -> Trace:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        return read_mooncake(path)
-    if suffix == ".csv":
-        return read_azure(path)
-    raise ValueError(f"trace {str(path)!r}: unknown format {suffix!r}; expected .jsonl (Mooncake) or .csv (Azure)")
+    fmt = TraceFormat.from_path(path)
+    return read_mooncake(path) if fmt is TraceFormat.MOONCAKE else read_azure(path)
 
 
 @dataclass(frozen=True, slots=True)

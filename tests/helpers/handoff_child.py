@@ -1,6 +1,7 @@
 """Child process for hand-off tests: publish a request, or look a prefix up, through a daemon.
 
-    python handoff_child.py publish URL REQUEST_ID NUM_BLOCKS   (prints "claimed" once publishing started,
+    python handoff_child.py publish URL REQUEST_ID NUM_BLOCKS   (prints "publishing" before it starts, "claimed" once
+    the pages are gathered into the store,
                                                                  then "published"; fills caches from seed 0)
     python handoff_child.py lookup URL TOKENS_CSV               (prints the number of cached tokens)
 """
@@ -33,6 +34,7 @@ def main():
     if cmd == "publish":
         rid, n = sys.argv[3], int(sys.argv[4])
         src = caches(n)
+        print("publishing", flush=True)
         ticket = h.publish(rid, src, list(range(n)), num_tokens=n * 16, ttl=60)
         print("claimed", flush=True)
         ticket.wait()

@@ -173,9 +173,12 @@ def test_producer_killed_mid_publish_leaves_nothing(daemon_factory):
     proc = subprocess.Popen([sys.executable, os.path.join(HELPERS, "handoff_child.py"), "publish", d.unix_url,
                              "dead", "1500"], env=child_env(), stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "claimed"
-        # kill while chunks are still being written (1500 one-block chunks of 128 KiB)
-        assert wait_until(lambda: store.stats()["pending"] > 0, timeout=20, interval=0.001)
+        assert proc.stdout.readline().strip() == "publishing"
+        # kill while chunks are still being reserved and written (1500 one-block chunks of 128 KiB): the
+        # producer holds its claim from the start
+        keys = request_keys("dead")
+        assert wait_until(lambda: store.exists(keys["claim"]) and store.stats()["pending"] > 0, timeout=20,
+                          interval=0.001)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     finally:

@@ -9,7 +9,7 @@ import importlib
 
 import pytest
 import torch
-from test_ops import (
+from kv_reference import (
     POISON,
     alloc_cache,
     bytes_of,

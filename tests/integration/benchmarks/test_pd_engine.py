@@ -24,11 +24,9 @@ from benchmarks.pd.request import Phase, Request
 from benchmarks.pd.router import Router
 from benchmarks.pd.scheduler import Policy, Scheduler, SchedulerConfig
 from benchmarks.pd.trace import TraceFormat, TraceScaling, Workload, generate, load_trace, read_azure, read_mooncake
+from kvstore.workloads import runschema
 
 TINY = MODEL_PRESETS["tiny"]
-REQUIRED_FIELDS = ("id", "arrival_s", "prompt_tokens", "output_tokens", "prefill_queue_s", "prefill_start_s",
-                   "prefill_end_s", "ttft_s", "decode_queue_s", "token_times_s", "output_token_ids", "kv_bytes",
-                   "transfer_s")
 
 
 def _has_handoff() -> bool:
@@ -464,7 +462,7 @@ def test_cli_run_writes_requests_and_summary(tmp_path: Path) -> None:
     assert main(["run", "--arch", "chunked", "--workload", "short", "--num-requests", "3", "--seed", "1",
                  "--model", "tiny", "--rate", "50", "--inline", "--no-progress", "--out", str(out)]) == 0
     rows = _rows(out)
-    assert len(rows) == 3 and all(set(REQUIRED_FIELDS) <= set(row) for row in rows)
+    assert len(rows) == 3 and all(list(row) == list(runschema.FIELDS) for row in rows)
     assert all(len(row["token_times_s"]) == row["output_tokens"] == len(row["output_token_ids"]) for row in rows)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["requests"] == {"total": 3, "completed": 3, "lost": 0, "recomputed": 0}

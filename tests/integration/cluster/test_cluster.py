@@ -529,3 +529,23 @@ def test_cluster_urls_and_config_validation():
     assert (entry.epoch, entry.checksum, entry.version, entry.size, entry.meta) == \
         ("ep-1", f"{0xABC:016x}", 9, 5, meta)
     assert decode_entry("k", "n1", b"garbage", "", "") is None
+
+
+def test_cluster_client_takes_device_memory_and_reservations(cluster):
+    """The cluster client supplies device memory (staged through the host) and in-place writes (staged and
+    committed through its batch put), so CUDA tensors and reserve() work on a cluster as on one daemon."""
+    import fake_cuda
+
+    from kvstore.memory.device import DeviceBuffer
+
+    a, b = cluster.client("A"), cluster.client("B")
+    src = np.frombuffer(payload("dev", 70_000), np.uint8).copy()
+    assert a.device_memory() is not None
+    a.put("dev/k", DeviceBuffer(src.ctypes.data, src.nbytes, 0, 0, fake_cuda, owner=src))
+    out = np.zeros_like(src)
+    assert b.get_into("dev/k", DeviceBuffer(out.ctypes.data, out.nbytes, 0, 0, fake_cuda, owner=out),
+                      verify=True) == src.nbytes
+    assert np.array_equal(out, src)
+    with a.batch_reserve([("res/1", 10), ("res/2", 5)]) as (x, y):
+        x[:], y[:] = b"0123456789", b"abcde"
+    assert bytes(b.get("res/1")) == b"0123456789" and bytes(b.get("res/2")) == b"abcde"
