@@ -64,7 +64,8 @@ class _Serving:
             self.left -= 1
         elif index == 0:  # prefill done: its blocks are saved; the decode instance takes it from here
             rec.on_handed_off(index, {**r, "publish_s": ev["kv_s"]})
-            rec.saved_bytes = ev["kv_bytes"]
+            # the producer saves inside its step (wait_for_save), so the step's end is when the KV is ready
+            rec.decode_ready_s, rec.saved_bytes = rec.prefill_end_s, ev["kv_bytes"]
             self._send(1, rec.id, rec.output_tokens)
         else:
             rec.on_decode_done(index, {"admitted_s": r["prefill_start_s"], "fetch_s": ev["kv_s"],

@@ -64,16 +64,17 @@ def vllm_run(tmp_path_factory) -> Path:
     made = subprocess.run([sys.executable, "-m", "benchmarks.pd", "make-model", "--layers", str(TINY.layers),
                            "--hidden", str(TINY.hidden), "--heads", str(TINY.heads), "--kv-heads",
                            str(TINY.kv_heads), "--intermediate", str(TINY.intermediate), "--vocab", str(TINY.vocab),
-                           "--max-position", str(TINY.max_position), "--out", str(model)],
+                           "--max-position", str(TINY.max_position), "--dtype", "float32", "--out", str(model)],
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-4000:]
     out = root / "out"
     # prompts of 1-3 blocks of 64 tokens: every hand-off has full blocks to move, and the decode instance
-    # computes the last partial block itself
+    # computes the last partial block itself. float32: in bf16, decode batches of other sizes (one instance
+    # decoding everything vs two sharing it) can flip a near-tie argmax late in a random model's output
     proc = subprocess.run([sys.executable, "-m", "benchmarks.pd", "compare", "--engine", "vllm", "--model",
                            str(model), "--workloads", "short", "--num-requests", "4", "--block-size", "64",
                            "--max-model-len", "1024", "--kv-cache-size", "32MiB", "--chunk-budget", "64",
-                           "--transport", "tcp", "--out", str(out)],
+                           "--transport", "tcp", "--vllm-dtype", "float32", "--out", str(out)],
                           env=child_env(), capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return out
