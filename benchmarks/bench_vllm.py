@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -36,22 +35,18 @@ import sys
 import tempfile
 import time
 
+from benchmarks.common.daemon import Daemon
+from benchmarks.common.machine import describe, machine
+from kvstore.workloads.stats import median, percentile
+
 DEFAULT_TOKENS = "1024,4096,8192"
 VARIANTS = ("none", "kvstore", "example")
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = (len(ordered) - 1) * q / 100
-    lo, hi = int(rank), min(int(rank) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
-
-
 def summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values) if values else float("nan"), "p99": percentile(values, 99),
-            "n": len(values)}
+    if not values:
+        return {"median": float("nan"), "p99": float("nan"), "n": 0}
+    return {"median": median(values), "p99": percentile(values, 99), "n": len(values)}
 
 
 # ---- one engine (a child process) ------------------------------------------------------------------------
@@ -188,32 +183,6 @@ def run_variant(variant: str, args, url: str, workdir: str) -> dict:
         return json.load(f)
 
 
-def start_daemon(workdir: str, capacity: str) -> tuple[subprocess.Popen, str]:
-    import kvstore
-
-    url = f"unix://{workdir}/kv.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--listen", url, "--capacity", capacity],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            kvstore.connect(url, timeout=1.0).close()
-            return proc, url
-        except kvstore.StoreConnectionError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"kvstore daemon did not start at {url}")
-
-
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        name = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        name = platform.processor() or platform.machine()
-    return f"{name}, {os.cpu_count()} cores"
-
-
 def table(results: dict[str, dict], lengths: list[str]) -> tuple[list[dict], dict]:
     rows = []
     none = results.get("none", {}).get("ttft", {})
@@ -301,16 +270,15 @@ def main(argv: list[str] | None = None) -> int:
         from kvstore.integrations.vllm.tiny_model import build_tiny_llama
 
         args.model = build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvstore-tiny-llama"))
-    daemon, url = start_daemon(workdir, args.capacity)
+    daemon = Daemon(workdir, capacity=args.capacity, tcp=False).start()
     try:
-        results = {v: run_variant(v, args, url, workdir) for v in args.variants.split(",")}
+        results = {v: run_variant(v, args, daemon.unix_url, workdir) for v in args.variants.split(",")}
     finally:
-        daemon.terminate()
-        daemon.wait(30)
+        daemon.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     lengths = args.tokens.split(",")
     rows, bandwidth = table(results, lengths)
-    header = f"bench_vllm: {args.model} ({args.dtype}), {machine()}, repeats={args.repeats}"
+    header = f"bench_vllm: {args.model} ({args.dtype}), {describe()}, repeats={args.repeats}"
     print_table(rows, bandwidth, header)
     if args.json:
         with open(args.json, "w") as f:

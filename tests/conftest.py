@@ -275,3 +275,18 @@ def spawn() -> Iterator[Callable[..., Child]]:
         c.kill()
         for stream in (c.proc.stdout, c.proc.stderr):
             stream.close()
+
+
+def flip_byte(daemon_pid: int, store: kvstore.KVStore, key: str, at: int = 100) -> None:
+    """Corrupt one byte of a committed object in place, in the daemon's shared-memory segment (as a failing
+    DIMM or a stray write would), without telling the daemon."""
+    info = store.inspect(key)
+    names = sorted(n for n in os.listdir("/dev/shm")
+                   if n.startswith(f"kvstore-{daemon_pid}-") and n.endswith(f"-{info['segment']}"))
+    assert names, f"no shared-memory segment {info['segment']} of daemon {daemon_pid}"
+    with open(os.path.join("/dev/shm", names[0]), "r+b") as f:
+        f.seek(info["offset"] + at)
+        byte = f.read(1)
+        f.seek(info["offset"] + at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+

@@ -61,13 +61,13 @@ class EmbeddedStore(KVStore):
                   flags: PutFlags) -> list[ObjectMeta]:
         replicas: list[Replica] = []
         try:
-            for meta, payload in items:
+            for (meta, _), digest in zip(items, digests, strict=True):
                 with self._lock:
                     master = self._m()
                     replicas.append(master.begin_put(meta, self._client, if_absent=flags.if_absent, pin=flags.pin,
                                                      ephemeral=flags.ephemeral))
                 dst = self._region(replicas[-1])
-                dst[:] = payload.view
+                digest.copy_into(dst)  # one pass: each piece hashed while in cache
                 dst.release()
             checksums = [digest() for digest in digests]
         except BaseException:

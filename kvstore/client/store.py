@@ -27,14 +27,6 @@ if TYPE_CHECKING:
     from kvstore.layout import KVLayout
 
 
-class _Known(Digest):
-    """A checksum computed by whoever wrote the bytes."""
-
-    def __init__(self, value: int):
-        super().__init__(memoryview(b""))
-        self._view, self._value = None, value
-
-
 @dataclass(frozen=True, slots=True)
 class PutFlags:
     if_absent: bool = False
@@ -287,7 +279,7 @@ class KVStore(ABC):
         """Commit reserved objects at once with these checksums (abort them all on failure)."""
         items = [(meta, Payload(memoryview(staging), meta.kind, meta.dtype, meta.shape))
                  for meta, staging, _ in handles]
-        digests = [_Known(c) for c in checksums]
+        digests = [Digest(item[1].view, known=c) for item, c in zip(items, checksums, strict=True)]
         return self._put_many(items, digests, flags=handles[0][2])
 
     def _abort_reserved(self, handles: list[Any], quiet: bool = False) -> None:

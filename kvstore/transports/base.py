@@ -30,14 +30,27 @@ class Channel(Protocol):
         ...
 
 
+class PayloadDigest(Protocol):
+    """The checksum of a put's payload (xxh3-64), recorded at commit."""
+
+    def __call__(self) -> int | None:
+        """The digest (computed now if no copy computed it)."""
+        ...
+
+    def copy_into(self, dst: memoryview) -> None:
+        """Copy the payload into ``dst`` and compute the digest in the same pass (while the bytes are in cache)."""
+        ...
+
+
 class Transport(Protocol):
     """Client side of one data path."""
 
     name: str
 
-    def put(self, channel: Channel, request: dict, src: memoryview, checksum: Callable[[], int]) -> dict:
+    def put(self, channel: Channel, request: dict, src: memoryview, checksum: PayloadDigest) -> dict:
         """Store ``src`` under the (already validated) ``request``; return the commit reply. ``checksum()``
-        is the payload's digest, recorded at commit (it may still be computing while the bytes move).
+        is the payload's digest, recorded at commit; a path that copies the bytes itself may use
+        ``checksum.copy_into`` to hash them in the same pass.
         With ``request["defer"]`` the put is left pending: return ``{"put_id", "checksum"}`` and the caller
         commits it with others (``commit_many``)."""
         ...

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstore.memory.shm import SharedMemory, SharedMemoryError, SharedMemoryUnavailable
-from kvstore.transports.base import Channel, TransportFailure, TransportUnavailable, register
+from kvstore.transports.base import Channel, PayloadDigest, TransportFailure, TransportUnavailable, register
 
 
 def copy(dst: memoryview, src: memoryview) -> None:
@@ -51,11 +51,11 @@ class ShmTransport:
             raise TransportFailure(f"region [{offset}, +{length}) outside segment {segment} of {seg.size} bytes")
         return seg.buf[offset:offset + length]
 
-    def put(self, channel: Channel, request: dict, src: memoryview, checksum: Callable[[], int]) -> dict:
+    def put(self, channel: Channel, request: dict, src: memoryview, checksum: PayloadDigest) -> dict:
         reply = channel.call({**request, "mode": "region"})
         try:
             dst = self.region(reply["segment"], reply["offset"], len(src))
-            copy(dst, src)
+            checksum.copy_into(dst)  # one pass: each piece hashed while in cache
             dst.release()
         except BaseException:
             channel.call({"op": "abort", "put_id": reply["put_id"]})

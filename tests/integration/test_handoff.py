@@ -11,7 +11,7 @@ import time
 import handoff_child as child  # noqa: E402
 import pytest
 import torch
-from conftest import HELPERS, child_env, wait_until  # noqa: E402
+from conftest import HELPERS, child_env, flip_byte, wait_until  # noqa: E402
 
 import kvstore
 from kvstore.handoff import KVHandoff, request_keys
@@ -201,3 +201,19 @@ def test_bad_arguments(hstore):
         h.publish("a/b", child.caches(4), [0], num_tokens=BS)
     with pytest.raises(ValueError, match="token_ids has 3"):
         h.publish("x", child.caches(4), [0], num_tokens=BS, token_ids=[1, 2, 3])
+
+
+def test_a_corrupted_chunk_is_detected_and_nothing_is_written(daemon_factory):
+    """A byte flipped in a stored chunk (bad memory, a stray writer): fetch refuses the whole request before
+    any page reaches the decode cache, so the engine recomputes; verify=False would skip exactly this check."""
+    d = daemon_factory(capacity="64MiB")
+    with d.connect("shm") as store:
+        h = KVHandoff(store, LAYOUT, chunk_blocks=2)
+        src = child.caches(8)
+        meta = h.publish("bad", src, [0, 1, 2, 3], num_tokens=4 * BS).wait()
+        flip_byte(d.pid, store, meta.chunk_keys[1], at=7)
+        dst = zeros(8)
+        with pytest.raises(kvstore.HandoffAbortedError, match="checksum"):
+            h.fetch("bad", dst, [4, 5, 6, 7], timeout=5)
+        assert not any(c.any() for c in dst), "a corrupted request wrote pages"
+

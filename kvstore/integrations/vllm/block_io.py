@@ -5,13 +5,17 @@ kernel's in-page packing is named by the layout fingerprint, never interpreted h
 one that touches payload bytes, so the data path can move to the zero-copy page API (``reserve`` /
 ``put_pages`` / ``get_pages``) without the connector noticing.
 
-Today's path, on a same-host daemon:
-- save: ``kvstore.ops.gather_pages`` packs the blocks (all layers, one native call) into a staging buffer,
-  then ``batch_put`` writes them (all or nothing): two copies;
-- load: ``get_into`` (the shared-memory index: no round trip) into a staging buffer with the checksum
-  recorded at commit verified, then ``kvstore.ops.scatter_pages`` into the blocks: two copies.
+The paths, on a same-host daemon:
+- save (:meth:`save`): ``batch_put_pages`` gathers the blocks (all layers, one native call) straight into
+  the store's memory, all or nothing: one copy. The asynchronous saver uses :meth:`pack` (a new buffer, so
+  vLLM may reuse the blocks at once) and :meth:`put_packed` (``batch_put``): two copies, off the critical path.
+- load, blocks of at least ``LEASED_LOAD_MIN`` bytes: ``get_pages`` scatters each block from a leased view
+  of the store's memory (checksum verified first): one copy and one round trip a block.
+- load, smaller blocks: ``get_into`` through the daemon's shared-memory index (no round trip) into a staging
+  buffer (verified), then ``scatter_pages``: two copies, where a round trip would cost more than the copy.
 A CPU-backend page ``[num_kv_heads, block_size, 2 * head_size]`` is contiguous, so it is packed with the
-kernel of a block-major layout whose page has the same element count (a memcpy per page).
+kernel of a block-major layout whose page has the same element count (a memcpy per page). Every path stores
+the same bytes: one block, every layer, block-major.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from kvstore.integrations.vllm.keys import CacheLayout
 from kvstore.layout import KVLayout, KVLayoutKind
 
 STAGING_BYTES = 64 << 20  # blocks are moved in chunks of at most this many bytes (at least one block)
+# At ~5 GB/s a round trip of 50-400 us costs as much as copying 0.25-2 MB: above this, a lease beats a copy.
+LEASED_LOAD_MIN = 1 << 20
 
 
 @dataclass(slots=True)
@@ -45,9 +51,11 @@ class LoadResult:
 class BlockIO:
     """Saves and loads blocks of ``caches`` (one tensor per layer, in the layout's layer order)."""
 
-    def __init__(self, caches: Sequence[torch.Tensor], layout: CacheLayout, *, verify: bool = True):
+    def __init__(self, caches: Sequence[torch.Tensor], layout: CacheLayout, *, verify: bool = True,
+                 leased_loads: bool | None = None):
         self.layout = layout
         self.verify = verify
+        self.leased_loads = layout.block_nbytes >= LEASED_LOAD_MIN if leased_loads is None else leased_loads
         self._pages = [self._page_view(t, layout) for t in caches]
         if len(self._pages) != layout.num_layers:
             raise ValueError(f"expected {layout.num_layers} layer caches, got {len(self._pages)}")
@@ -98,9 +106,9 @@ class BlockIO:
         written = 0
         for start in range(0, len(items), self._chunk):
             chunk = items[start:start + self._chunk]
-            packed = self._buffer(len(chunk))
-            ops.gather_pages(self._pages, self._ids([b for _, b in chunk]), packed, layout=self._kernel_layout)
-            written += self.put_packed(store, [key for key, _ in chunk], packed, ttl)
+            self._ids([b for _, b in chunk])  # range check
+            store.batch_put_pages([(key, [b]) for key, b in chunk], self._pages, layout=self._kernel_layout, ttl=ttl)
+            written += len(chunk) * self.layout.block_nbytes
         return written
 
     def pack(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -110,8 +118,7 @@ class BlockIO:
 
     def put_packed(self, store: KVStore, keys: Sequence[str], packed: torch.Tensor, ttl: float | None = None) -> int:
         """``batch_put`` the blocks of ``packed`` (from :meth:`pack`) under ``keys``; returns the bytes written."""
-        flat = packed.view(len(keys), -1)
-        store.batch_put([(key, flat[i]) for i, key in enumerate(keys)], ttl=ttl)
+        store.batch_put([(key, packed[i:i + 1]) for i, key in enumerate(keys)], ttl=ttl)
         return len(keys) * self.layout.block_nbytes
 
     # ---- loads ----------------------------------------------------------------------------------------
@@ -120,8 +127,39 @@ class BlockIO:
         unreadable is reported in ``failed_blocks`` (its cache bytes are then undefined: vLLM recomputes
         it). A lost connection (``connection_lost``) fails the remaining blocks too."""
         result = LoadResult()
-        failed: list[int] = []
         start_time = time.perf_counter()
+        load = self._load_leased if self.leased_loads else self._load_staged
+        failed = load(store, items, result)
+        result.failed_blocks = tuple(failed)
+        result.nbytes = result.loaded * self.layout.block_nbytes
+        result.seconds = time.perf_counter() - start_time
+        return result
+
+    def _load_leased(self, store: KVStore, items: Sequence[tuple[str, int]], result: LoadResult) -> list[int]:
+        failed: list[int] = []
+        for i, (key, block_id) in enumerate(items):
+            self._ids([block_id])
+            try:
+                store.get_pages(key, self._pages, [block_id], layout=self._kernel_layout, verify=self.verify)
+                result.loaded += 1
+            except StoreConnectionError:
+                result.connection_lost = True
+                failed.extend(b for _, b in items[i:])
+                break
+            except KVStoreError as exc:
+                self._count_failure(exc, result)
+                failed.append(block_id)
+        return failed
+
+    @staticmethod
+    def _count_failure(exc: KVStoreError, result: LoadResult) -> None:
+        if isinstance(exc, ChecksumError):
+            result.checksum_errors += 1
+        elif isinstance(exc, KeyNotFoundError):
+            result.missing += 1
+
+    def _load_staged(self, store: KVStore, items: Sequence[tuple[str, int]], result: LoadResult) -> list[int]:
+        failed: list[int] = []
         for start in range(0, len(items), self._chunk):
             chunk = items[start:start + self._chunk]
             packed = self._buffer(len(chunk))
@@ -135,22 +173,14 @@ class BlockIO:
                     result.connection_lost = True
                     failed.extend(b for _, b in items[start + i:])
                     break
-                except ChecksumError:
-                    result.checksum_errors += 1
-                    failed.append(block_id)
-                except KeyNotFoundError:
-                    result.missing += 1
-                    failed.append(block_id)
-                except KVStoreError:
+                except KVStoreError as exc:
+                    self._count_failure(exc, result)
                     failed.append(block_id)
             self._scatter(packed, chunk, good)
             result.loaded += len(good)
             if result.connection_lost:
                 break
-        result.failed_blocks = tuple(failed)
-        result.nbytes = result.loaded * self.layout.block_nbytes
-        result.seconds = time.perf_counter() - start_time
-        return result
+        return failed
 
     def _scatter(self, packed: torch.Tensor, chunk: Sequence[tuple[str, int]], good: list[int]) -> None:
         if not good:

@@ -4,15 +4,13 @@ corrupted object detected before it is scattered."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import xxhash
+from conftest import flip_byte
 from kv_reference import DTYPES, KINDS, bytes_of, make_caches, make_layout, pick_ids, reference_gather
 
 from kvstore import ChecksumError, KVLayoutKind, LayoutMismatchError, ops
-from kvstore.memory.shm import SHM_DIR
 
 NUM_CACHE_BLOCKS = 12
 
@@ -78,20 +76,7 @@ def test_a_corrupted_object_is_detected_before_it_is_scattered(daemon, prefix):
     dst = make_caches(layout, NUM_CACHE_BLOCKS, gen, fill=0)
     with daemon.connect("shm") as s:
         s.put_pages(prefix + "c", src, [1, 2], layout=layout)
-        info = s.inspect(prefix + "c")
-        name = s.stats()["segments"][info["segment"]]["name"] if "segments" in s.stats() else None
-        name = name or _segment_name(daemon.pid, info["segment"])
-        with open(os.path.join(SHM_DIR, name), "r+b") as f:  # flip one byte of the stored object in place
-            f.seek(info["offset"] + 100)
-            byte = f.read(1)
-            f.seek(info["offset"] + 100)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        flip_byte(daemon.pid, s, prefix + "c")
         with pytest.raises(ChecksumError):
             s.get_pages(prefix + "c", dst, [3, 4], layout=layout, verify=True)
         assert not any(bytes_of(c).any() for c in dst), "corrupted pages reached the cache"
-
-
-def _segment_name(pid: int, segment: int) -> str:
-    names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"kvstore-{pid}-") and n.endswith(f"-{segment}"))
-    assert names, f"no shared-memory segment of daemon {pid}"
-    return names[0]

@@ -40,36 +40,43 @@ def block_store(request):
     s.close()
 
 
-def test_blocks_round_trip_every_layer(block_store):
+@pytest.mark.parametrize("leased", [False, True], ids=["staged", "leased"])
+def test_blocks_round_trip_every_layer(block_store, leased):
     src_whole, src = caches(1)
     io = BlockIO(src, LAYOUT)
     assert io.save(block_store, [("blockio/a", 3), ("blockio/b", 11)]) == 2 * LAYOUT.block_nbytes
+    io.put_packed(block_store, ["blockio/c"], io.pack([5]))  # the asynchronous saver's path: the same bytes
     dst_whole, dst = caches(2)
     before = dst_whole.clone()
-    result = BlockIO(dst, LAYOUT).load(block_store, [("blockio/a", 0), ("blockio/b", 7)])
-    assert (result.loaded, result.failed_blocks, result.nbytes) == (2, (), 2 * LAYOUT.block_nbytes)
+    result = BlockIO(dst, LAYOUT, leased_loads=leased).load(block_store, [("blockio/a", 0), ("blockio/b", 7),
+                                                                          ("blockio/c", 8)])
+    assert (result.loaded, result.failed_blocks, result.nbytes) == (3, (), 3 * LAYOUT.block_nbytes)
     assert torch.equal(dst_whole[:, 0], src_whole[:, 3]) and torch.equal(dst_whole[:, 7], src_whole[:, 11])
-    untouched = [b for b in range(NUM_BLOCKS) if b not in (0, 7)]
+    assert torch.equal(dst_whole[:, 8], src_whole[:, 5])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (0, 7, 8)]
     assert torch.equal(dst_whole[:, untouched], before[:, untouched])
 
 
-def test_missing_block_fails_alone(block_store):
+@pytest.mark.parametrize("leased", [False, True], ids=["staged", "leased"])
+def test_missing_block_fails_alone(block_store, leased):
     _, src = caches(1)
     BlockIO(src, LAYOUT).save(block_store, [("blockio/good", 1)])
     _, dst = caches(3)
-    result = BlockIO(dst, LAYOUT).load(block_store, [("blockio/good", 2), ("blockio/none", 4)])
+    result = BlockIO(dst, LAYOUT, leased_loads=leased).load(block_store, [("blockio/good", 2), ("blockio/none", 4)])
     assert result.loaded == 1 and result.failed_blocks == (4,) and result.missing == 1
 
 
+@pytest.mark.parametrize("leased", [False, True], ids=["staged", "leased"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_block_damaged_after_commit_fails_its_checksum(daemon, transport):
+def test_block_damaged_after_commit_fails_its_checksum(daemon, transport, leased):
     s = daemon.connect(transport)
     src_whole, src = caches(1)
     BlockIO(src, LAYOUT).save(s, [(f"blockio/{transport}/a", 1), (f"blockio/{transport}/b", 2)])
     info = s.inspect(f"blockio/{transport}/a")
     flip_bytes(daemon.pid, segment_address(daemon.pid, info["segment"]) + info["offset"] + 100, 4)
     dst_whole, dst = caches(3)
-    result = BlockIO(dst, LAYOUT).load(s, [(f"blockio/{transport}/a", 5), (f"blockio/{transport}/b", 6)])
+    result = BlockIO(dst, LAYOUT, leased_loads=leased).load(s, [(f"blockio/{transport}/a", 5),
+                                                                (f"blockio/{transport}/b", 6)])
     assert result.failed_blocks == (5,) and result.checksum_errors == 1 and result.loaded == 1
     assert torch.equal(dst_whole[:, 6], src_whole[:, 2])
     for key in s.keys(f"blockio/{transport}/"):
@@ -85,14 +92,15 @@ def test_cache_of_another_geometry_is_refused():
         BlockIO([torch.zeros((NUM_BLOCKS, *LAYOUT.page_shape))] * 2, LAYOUT)
 
 
-def test_killed_daemon_fails_the_rest_of_the_load(daemon_factory):
+@pytest.mark.parametrize("leased", [False, True], ids=["staged", "leased"])
+def test_killed_daemon_fails_the_rest_of_the_load(daemon_factory, leased):
     d = daemon_factory(capacity="16MiB")
     s = d.connect("tcp", timeout=2.0)
     _, src = caches(1)
     BlockIO(src, LAYOUT).save(s, [(f"blockio/{i}", i) for i in range(4)])
     d.kill()
     _, dst = caches(2)
-    result = BlockIO(dst, LAYOUT).load(s, [(f"blockio/{i}", i) for i in range(4)])
+    result = BlockIO(dst, LAYOUT, leased_loads=leased).load(s, [(f"blockio/{i}", i) for i in range(4)])
     assert result.connection_lost and result.failed_blocks == (0, 1, 2, 3) and result.loaded == 0
     s.close()
 

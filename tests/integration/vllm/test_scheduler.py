@@ -172,3 +172,17 @@ def test_unknown_extra_config_keys_are_refused():
     with pytest.raises(ValueError, match="timeout_s"):
         ConnectorConfig.from_extra({"url": "unix:///x", "timeout_s": -1})
     assert ConnectorConfig.from_extra({"url": "unix:///x", "ttl_s": None}).ttl_s is None
+
+
+def test_connector_stats_aggregate_and_reduce_like_vllm_expects():
+    from kvstore.integrations.vllm.connector import KVStoreConnector
+    from kvstore.integrations.vllm.stats import KVStoreConnectorStats
+
+    a = KVStoreConnector.build_kv_connector_stats({**Counters(loaded_blocks=2, load_bytes=2_000_000_000,
+                                                               load_seconds=1.0).as_dict()})
+    b = KVStoreConnectorStats(data=Counters(loaded_blocks=1, load_errors=1).as_dict())
+    assert KVStoreConnectorStats().is_empty() and not a.is_empty()
+    total = a.aggregate(b).reduce()
+    assert total["loaded_blocks"] == 3 and total["load_errors"] == 1 and total["load_GBps"] == 2.0
+    a.reset()
+    assert a.is_empty()
