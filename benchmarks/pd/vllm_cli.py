@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks.pd.deployment import Arch
+from benchmarks.pd.fault import FaultSpec
 from benchmarks.pd.make_model import LlamaShape, make_model
 from benchmarks.pd.metrics import Slo
 from benchmarks.pd.vllm_compare import VllmCompareConfig
@@ -33,8 +34,6 @@ def _cores(text: str) -> tuple[int, int]:
 
 def vllm_compare_config(args: argparse.Namespace, sources: tuple, archs: tuple[Arch, ...]) -> VllmCompareConfig:
     """The comparison's configuration from ``compare --engine vllm`` arguments (ValueError on bad input)."""
-    if args.inject_fault:
-        raise ValueError("--inject-fault is not implemented for --engine vllm yet (use --engine tiny)")
     model = args.model
     if model is None:
         model = str(make_model(LlamaShape(seed=args.seed, dtype=args.vllm_dtype), Path(args.out) / "model"))
@@ -43,4 +42,5 @@ def vllm_compare_config(args: argparse.Namespace, sources: tuple, archs: tuple[A
                         dtype=args.vllm_dtype, transport=args.transport, cores=_cores(args.cores))
     return VllmCompareConfig(sources=sources, out_dir=args.out, engine=engine, archs=archs,
                              num_requests=args.num_requests, seed=args.seed, rate_scale=args.rate_scale,
-                             slo=Slo(args.slo_ttft, args.slo_tpot, args.slo_attainment))
+                             slo=Slo(args.slo_ttft, args.slo_tpot, args.slo_attainment),
+                             fault=FaultSpec.parse(args.inject_fault) if args.inject_fault else None)

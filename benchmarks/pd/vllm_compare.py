@@ -20,6 +20,7 @@ from pathlib import Path
 
 from benchmarks.pd.compare import RunData, Source, _read_jsonl, _unique_names, machine
 from benchmarks.pd.deployment import Arch
+from benchmarks.pd.fault import FaultSpec
 from benchmarks.pd.make_model import read_shape
 from benchmarks.pd.metrics import Slo, scorecard
 from benchmarks.pd.trace import Trace
@@ -37,6 +38,7 @@ class VllmCompareConfig:
     seed: int = 0
     rate_scale: float = 1.0
     slo: Slo = Slo(ttft_s=1.5, tpot_s=0.1)
+    fault: FaultSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -79,7 +81,8 @@ def _setup(cfg: VllmCompareConfig, hf: dict, traces: dict[str, dict]) -> dict:
     return {
         "engine_kind": "vllm", "archs": [a.value for a in cfg.archs], "compute": compute_note(cfg.engine),
         "engine": engine, "transport": cfg.engine.transport, "handoff_keys": "prefix (vLLM block)",
-        "slo": dataclasses.asdict(cfg.slo), "admission": {"policy": "none"}, "fault": None,
+        "slo": dataclasses.asdict(cfg.slo), "admission": {"policy": "none"},
+        "fault": str(cfg.fault) if cfg.fault else None,
         "seed": cfg.seed, "num_requests": cfg.num_requests, "rate_scale": cfg.rate_scale,
         "reruns": {"max": 0, "when_cpu_share_below": 0.5}, "traces": traces,
         "vllm": _vllm_version(),
@@ -105,7 +108,7 @@ def _run_arch(cfg: VllmCompareConfig, arch: Arch, hf: dict, named: list[tuple[st
         warm_up(fleet, cfg.engine.block_size)
         for name, trace in named:
             run_dir = out / name / arch.value
-            summary = serve_trace(fleet, cfg.engine, trace, run_dir, describe)
+            summary = serve_trace(fleet, cfg.engine, trace, run_dir, describe, cfg.fault)
             rows = _read_jsonl(run_dir / "requests.jsonl")
             timeline = _read_jsonl(run_dir / "timeline.jsonl")
             card = scorecard(summary, rows, timeline, cfg.slo)

@@ -167,6 +167,15 @@ class Fleet:
                                    f"(code {ev.get('code')}); see {self.out_dir}/instance{index}.log")
             self.instances[index].ready = ev
 
+    def respawn(self, index: int) -> InstanceProcess:
+        """Start a replacement of instance ``index`` (same spec); its ``ready`` event comes through the queue."""
+        old = self.instances[index]
+        log = self.out_dir / f"instance{index}-replacement{sum(1 for _ in self.out_dir.glob(f'instance{index}-*'))}.log"
+        inst = InstanceProcess(old.spec, self.events, log)
+        self.stack.callback(inst.close)
+        self.instances[index] = inst
+        return inst
+
     def next_event(self, timeout: float) -> tuple[int, dict]:
         try:
             return self.events.get(timeout=max(timeout, 0.0))

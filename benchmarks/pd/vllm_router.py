@@ -16,21 +16,25 @@ from pathlib import Path
 from benchmarks.pd.admission import Immediate
 from benchmarks.pd.deployment import TIMELINE_FIELDS, Arch
 from benchmarks.pd.energy import EnergyMeter
+from benchmarks.pd.fault import FaultSpec, recovery_report
 from benchmarks.pd.summary import summarize
 from benchmarks.pd.trace import Trace
 from benchmarks.pd.vllm_deployment import Fleet, VllmConfig, VllmRecord
+from benchmarks.pd.vllm_fault import FaultInjector
 
 
 class _Serving:
     """One trace's state: records, what each instance has outstanding, the events handled."""
 
-    def __init__(self, fleet: Fleet, trace: Trace, kv_bytes_per_token: int):
+    def __init__(self, fleet: Fleet, trace: Trace, kv_bytes_per_token: int, fault: FaultSpec | None = None):
         self.fleet, self.trace = fleet, trace
         self.disagg = fleet.arch is Arch.DISAGGREGATED
         self.records = {r.id: VllmRecord(r.id, r.klass, r.arrival_s, r.prompt_tokens, r.output_tokens,
                                          r.prompt_tokens * kv_bytes_per_token) for r in trace.requests}
         self.prompts = {r.id: list(r.prompt_ids) for r in trace.requests}
         self.outstanding = [0] * len(fleet.instances)
+        self.on: list[set[str]] = [set() for _ in fleet.instances]  # request ids each instance has
+        self.fault = FaultInjector(fault, self) if fault is not None else None
         self.left = len(trace.requests)
         self.start = 0.0
 
@@ -46,17 +50,20 @@ class _Serving:
         if self.disagg:
             self._send(0, rid, 1)
         else:
-            target = min(range(len(self.outstanding)), key=lambda i: (self.outstanding[i], i))
+            live = [i for i in range(len(self.outstanding)) if self.fault is None or self.fault.usable(i)]
+            target = min(live, key=lambda i: (self.outstanding[i], i))
             self._send(target, rid, rec.output_tokens)
 
     def _send(self, index: int, rid: str, max_tokens: int) -> None:
         self.outstanding[index] += len(self.prompts[rid]) + max_tokens
+        self.on[index].add(rid)
         self.fleet.instances[index].send({"op": "add", "id": rid, "prompt": self.prompts[rid],
                                           "max_tokens": max_tokens})
 
     def on_done(self, index: int, ev: dict) -> None:
         rec = self.records[ev["id"]]
         self.outstanding[index] -= len(self.prompts[rec.id]) + len(ev["output_ids"])
+        self.on[index].discard(rec.id)
         r = {"prefill_start_s": self.t(ev["prefill_start_s"]), "prefill_end_s": self.t(ev["prefill_end_s"]),
              "output_ids": ev["output_ids"], "token_times_s": [self.t(x) for x in ev["token_times_s"]]}
         if not self.disagg:
@@ -66,12 +73,16 @@ class _Serving:
             rec.on_handed_off(index, {**r, "publish_s": ev["kv_s"]})
             # the producer saves inside its step (wait_for_save), so the step's end is when the KV is ready
             rec.decode_ready_s, rec.saved_bytes = rec.prefill_end_s, ev["kv_bytes"]
-            self._send(1, rec.id, rec.output_tokens)
+            if self.fault is None or not self.fault.hold(rec.id):
+                self.send_decode(rec.id)
         else:
             rec.on_decode_done(index, {"admitted_s": r["prefill_start_s"], "fetch_s": ev["kv_s"],
                                        "output_ids": r["output_ids"], "token_times_s": r["token_times_s"]})
             rec.loaded_bytes, rec.cached_tokens = ev["kv_bytes"], ev["cached_tokens"]
             self.left -= 1
+
+    def send_decode(self, rid: str) -> None:
+        self._send(1, rid, self.records[rid].output_tokens)
 
     def serve(self, timeout_s: float) -> None:
         pending = sorted(self.trace.requests, key=lambda r: (r.arrival_s, r.id))
@@ -82,7 +93,11 @@ class _Serving:
             while i < len(pending) and pending[i].arrival_s <= self.now():
                 self.dispatch(pending[i].id)
                 i += 1
+            if self.fault is not None and self.fault.due(self.now()):
+                self.fault.kill(self.now())
             wait = pending[i].arrival_s - self.now() if i < len(pending) else deadline - time.monotonic()
+            if self.fault is not None and not self.fault.log.injected:
+                wait = min(wait, self.fault.log.spec.at_s - self.now())
             try:
                 index, ev = self.fleet.next_event(min(wait, deadline - time.monotonic()))
             except TimeoutError:
@@ -94,7 +109,11 @@ class _Serving:
     def _handle(self, index: int, ev: dict) -> None:
         if ev["ev"] == "done":
             self.on_done(index, ev)
-        elif ev["ev"] == "exit":
+        elif ev["ev"] == "ready":
+            self.fleet.instances[index].ready = ev
+            if self.fault is not None:
+                self.fault.on_ready(index, self.now())
+        elif ev["ev"] == "exit" and not (self.fault is not None and self.fault.on_exit(index, self.now())):
             raise RuntimeError(f"vLLM instance {index} exited (code {ev['code']}) mid-run; see "
                                f"{self.fleet.out_dir}/instance{index}.log")
 
@@ -132,6 +151,8 @@ def _collect_stats(fleet: Fleet, timeout_s: float) -> dict[int, dict]:
         index, ev = fleet.next_event(deadline - time.monotonic())
         if ev["ev"] == "stats":
             stats[index] = ev
+        elif ev["ev"] == "ready":  # a replacement that became ready after the trace's last request
+            fleet.instances[index].ready = ev
         elif ev["ev"] == "exit":
             raise RuntimeError(f"vLLM instance {index} exited (code {ev['code']}) before its stats")
     return stats
@@ -160,14 +181,15 @@ def _worker_info(fleet: Fleet, stats: list[dict], config: VllmConfig) -> list[di
     return info
 
 
-def serve_trace(fleet: Fleet, config: VllmConfig, trace: Trace, out_dir: Path, describe: dict) -> dict:
+def serve_trace(fleet: Fleet, config: VllmConfig, trace: Trace, out_dir: Path, describe: dict,
+                fault: FaultSpec | None = None) -> dict:
     """Serve ``trace`` on the running ``fleet``; write the run's outputs into ``out_dir``; return its summary."""
     out_dir.mkdir(parents=True, exist_ok=True)
     trace.check_fits(config.max_model_len)
     meter = EnergyMeter()
     daemon = fleet.daemon
     cpu0 = (time.process_time(), daemon.cpu_seconds() if daemon else None)
-    serving = _Serving(fleet, trace, describe["kv_bytes_per_token"])
+    serving = _Serving(fleet, trace, describe["kv_bytes_per_token"], fault)
     meter.start()
     serving.serve(config.request_timeout_s)
     meter.stop()
@@ -182,7 +204,8 @@ def serve_trace(fleet: Fleet, config: VllmConfig, trace: Trace, out_dir: Path, d
                         "note": "process CPU seconds of each vLLM instance over this trace's window"}
     summary["energy"] = meter.result()
     summary["admission"] = Immediate().describe()
-    summary["fault"] = None
+    rows = [r.to_json() for r in records]
+    summary["fault"] = recovery_report(serving.fault.log if serving.fault else None, rows)
     summary["connector"] = {str(s["worker"]): s["counters"] for s in stats}
     summary["memory"]["rss_bytes_per_worker"] = [s["rss_bytes"] for s in stats]
     summary["memory"]["weight_copies_resident"] = len(stats)

@@ -47,14 +47,12 @@ def test_instance_spec_refuses_unknown_roles_and_a_connector_without_url() -> No
     assert InstanceSpec.from_json(spec.to_json()) == spec
 
 
-def test_fault_injection_is_refused_with_the_vllm_engine(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.pd", "compare", "--engine", "vllm", "--model",
-                           str(tmp_path), "--workloads", "short", "--inject-fault", "decode-crash@1", "--out",
-                           str(tmp_path / "out")], env=child_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--inject-fault is not implemented for --engine vllm" in proc.stderr
-
-
 # -- the whole comparison on vLLM ------------------------------------------------------------------------------
+def _rows(run: Path, arch: str) -> dict[str, dict]:
+    lines = (run / "short" / arch / "requests.jsonl").read_text().splitlines()
+    return {r["id"]: r for r in map(json.loads, lines)}
+
+
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory) -> Path:
     pytest.importorskip("vllm")
@@ -67,14 +65,17 @@ def vllm_run(tmp_path_factory) -> Path:
                            "--max-position", str(TINY.max_position), "--dtype", "float32", "--out", str(model)],
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-4000:]
-    out = root / "out"
+    return _compare(model, root / "out")
+
+
+def _compare(model: Path, out: Path, *extra: str) -> Path:
     # prompts of 1-3 blocks of 64 tokens: every hand-off has full blocks to move, and the decode instance
     # computes the last partial block itself. float32: in bf16, decode batches of other sizes (one instance
     # decoding everything vs two sharing it) can flip a near-tie argmax late in a random model's output
     proc = subprocess.run([sys.executable, "-m", "benchmarks.pd", "compare", "--engine", "vllm", "--model",
                            str(model), "--workloads", "short", "--num-requests", "4", "--block-size", "64",
                            "--max-model-len", "1024", "--kv-cache-size", "32MiB", "--chunk-budget", "64",
-                           "--transport", "tcp", "--vllm-dtype", "float32", "--out", str(out)],
+                           "--transport", "tcp", "--vllm-dtype", "float32", "--out", str(out), *extra],
                           env=child_env(), capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return out
@@ -127,3 +128,18 @@ def test_only_the_disaggregated_run_moves_kv_and_the_connector_counts_it(vllm_ru
     assert decode["load_bytes"] > 0
     assert abs(dis["transfer"]["kv_bytes_transferred"] - decode["load_bytes"]) <= 4
     assert dis["transfer"]["handoffs"] >= 1 and dis["decode_queue_s"] is not None
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_decode_instance_is_replaced_and_its_requests_refetched(vllm_run: Path) -> None:
+    """decode-crash@0.05: the consumer is SIGKILLed while the trace runs; a replacement starts, the requests it
+    held are loaded again from the store (not prefilled again), and every token is what colocated gave."""
+    out = _compare(vllm_run.parent / "model", vllm_run.parent / "fault", "--archs", "disaggregated",
+                   "--inject-fault", "decode-crash@0.05")
+    fault = json.loads((out / "summary.json").read_text())["results"]["short"]["disaggregated"]["fault"]
+    assert fault["injected"] and fault["victim_worker"] == 1 and fault["requests_lost"] == 0
+    assert fault["replacement_ready_s"] > 0 and fault["requests_recomputed"] == 0
+    assert fault["requests_refetched"] == fault["requests_interrupted"]
+    rows, ref = _rows(out, "disaggregated"), _rows(vllm_run, "colocated")
+    assert {k: r["output_token_ids"] for k, r in rows.items()} == {k: r["output_token_ids"] for k, r in ref.items()}
+    assert all(len(r["output_token_ids"]) == r["target_output_tokens"] for r in rows.values())
