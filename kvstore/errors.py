@@ -97,9 +97,10 @@ class ProtocolError(KVStoreError):
 
 
 class AuthenticationError(KVStoreError, PermissionError):
-    """The daemon refused the connection's token.
+    """The daemon refused the connection's token, or the client refused a daemon run by another user.
 
-    Nothing was done. Retrying with the same token cannot help.
+    Nothing was done (no token or data was sent to a refused daemon). Retrying with the same token, or
+    against the same daemon, cannot help.
     """
 
     code = "Authentication"
@@ -198,6 +199,15 @@ class ServerError(KVStoreError):
     """
 
     code = "Server"
+
+
+class MissingExtraError(KVStoreError, ImportError):
+    """A feature needs an optional dependency that is not installed; the message names the extra.
+
+    Nothing was done. Retrying helps only after installing it (``pip install 'kvstore[EXTRA]'``).
+    """
+
+    code = "MissingExtra"
 
 
 def _all_error_classes() -> dict[str, type[KVStoreError]]:

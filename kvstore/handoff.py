@@ -301,8 +301,17 @@ class KVHandoff:
             # The producer holds the claim while it publishes; a claim (or the status it writes next) without
             # it and without the meta means the producer died mid-publish.
             if (saw_claim or status) and not claim:
+                if status and self._state(rid) == "fetched":
+                    raise HandoffAbortedError(f"request {rid!r} was already fetched (a request is fetched once)")
                 raise HandoffAbortedError(f"the producer of request {rid!r} went away before publishing it")
             saw_claim = saw_claim or claim
+
+    def _state(self, rid: str) -> str | None:
+        try:
+            record = msgpack.unpackb(bytes(self.store.get(request_keys(rid)["status"])))
+        except (KeyNotFoundError, ValueError):
+            return None
+        return record.get("state") if isinstance(record, dict) else None
 
     def _read_meta(self, rid: str) -> RequestMeta | None:
         try:

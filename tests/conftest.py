@@ -44,6 +44,9 @@ def shm_segments(pid: int) -> list[str]:
     return sorted(glob.glob(f"/dev/shm/kvstore-{pid}-*"))
 
 
+session_token_file = launcher.process_token_file  # one token for the session's daemons ($KVSTORE_TOKEN_FILE)
+
+
 def child_env() -> dict:
     """The environment of a test's child process: this checkout first on PYTHONPATH, unbuffered output."""
     env = dict(os.environ)
@@ -69,15 +72,31 @@ class Daemon(launcher.Daemon):
     unclean stop are test failures (AssertionError).
 
     ``args`` are extra serve flags and ``env`` additions to :func:`child_env`; ``token_file`` is passed as
-    ``--token-file``."""
+    ``--token-file`` (default: the session's, :func:`session_token_file`), ``insecure=True`` as
+    ``--insecure`` instead. ``connect`` sends the token."""
 
     def __init__(self, workdir: str, *, capacity: str = "64MiB", args: tuple[str, ...] = (),
                  unix_path: str | None = None, port: int | None = None, metrics_port: int | None = None,
-                 token_file: str | None = None, env: dict[str, str] | None = None):
-        serve_args = (("--token-file", token_file) if token_file is not None else ()) + tuple(args)
-        super().__init__(workdir, capacity=capacity, args=serve_args, env={**child_env(), **(env or {})},
-                         log_level="info", unix_path=unix_path, port=port, metrics_port=metrics_port)
-        self.token_file = token_file
+                 token_file: str | None = None, insecure: bool = False, env: dict[str, str] | None = None):
+        super().__init__(workdir, capacity=capacity, args=tuple(args), env={**child_env(), **(env or {})},
+                         log_level="info", unix_path=unix_path, port=port, metrics_port=metrics_port,
+                         token_file=token_file, insecure=insecure)
+
+    def hello_auth(self) -> dict:
+        """The token field of a hand-made hello."""
+        return {"token": self.token}
+
+    def _wait_ready(self, timeout: float) -> bool:
+        # the listeners accept before the memory is set up; "serving" is logged once start() is done (signal
+        # handlers installed: a SIGTERM from then on is a graceful stop)
+        deadline = time.monotonic() + timeout
+        if not super()._wait_ready(timeout):
+            return False
+        while " serving " not in self.log():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def start(self, timeout: float = 30.0) -> Daemon:
         try:
@@ -87,6 +106,7 @@ class Daemon(launcher.Daemon):
 
     def connect(self, transport: str = "shm", timeout: float = 10.0, **kw) -> kvstore.KVStore:
         url = self.tcp_url if transport == "tcp" else self.unix_url
+        kw.setdefault("token", self.token)
         return kvstore.connect(url, transport=transport, timeout=timeout, **kw)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:

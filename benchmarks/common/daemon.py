@@ -7,11 +7,17 @@ The daemon runs in its own session (a Ctrl-C meant for the benchmark does not ki
 ``workdir`` (a fresh short directory under /tmp unless given; removed at stop if it was made here), with its
 output in ``log_path``. It counts as started once every address it listens on accepts a connection.
 Serve flags beyond the common ones go in ``args``; environment additions in ``env``.
+
+A TCP listener needs a token (docs/security.md): unless given ``token_file`` or ``insecure=True``, a daemon
+with TCP uses this process's token file (:func:`process_token_file`), which clients started here find through
+``$KVSTORE_TOKEN_FILE``.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -53,6 +59,30 @@ def project_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def process_token_file() -> str:
+    """The token file of the daemons this process starts: ``$KVSTORE_TOKEN_FILE`` if it names a file, else a
+    new 0600 file under /tmp (removed at exit) that ``$KVSTORE_TOKEN_FILE`` then names, so that
+    ``kvstore.connect`` here, and in child processes that inherit the environment, sends its token."""
+    path = os.environ.get("KVSTORE_TOKEN_FILE")
+    if path and os.path.isfile(path):
+        return path
+    fd, path = tempfile.mkstemp(prefix="kvs-token-", dir="/tmp")  # created 0600
+    try:
+        os.write(fd, secrets.token_hex(16).encode())
+    finally:
+        os.close(fd)
+    os.environ["KVSTORE_TOKEN_FILE"] = path
+    atexit.register(_remove_quietly, path)
+    return path
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def can_connect(family: int, address) -> bool:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
@@ -68,13 +98,15 @@ class Daemon:
 
     ``args``: more serve flags (``("--gpu-capacity", "1GiB")``); ``env``: the child's whole environment
     (default :func:`project_env`); ``port``: a fixed TCP port (default: a free one, re-chosen if another
-    process takes it first); ``log_path``: where its output goes (default: a file in ``workdir``).
+    process takes it first); ``log_path``: where its output goes (default: a file in ``workdir``);
+    ``token_file`` / ``insecure``: how its TCP listener is protected (default: :func:`process_token_file`).
     """
 
     def __init__(self, workdir: str | None = None, *, capacity: str = "64MiB", unix: bool = True,
                  tcp: bool = True, args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  log_level: str = "info", log_path: str | os.PathLike | None = None, unix_path: str | None = None,
-                 port: int | None = None, metrics_port: int | None = None):
+                 port: int | None = None, metrics_port: int | None = None, token_file: str | None = None,
+                 insecure: bool = False):
         if not (unix or tcp):
             raise ValueError("a daemon needs at least one address: unix=True or tcp=True")
         self._own_workdir = workdir is None
@@ -85,6 +117,8 @@ class Daemon:
         self._fixed_port = port is not None
         self.port = (port if port is not None else free_port()) if tcp else None
         self.metrics_port = metrics_port
+        self.insecure = insecure
+        self.token_file = token_file if token_file is not None or insecure or not tcp else process_token_file()
         self.log_path = str(log_path or os.path.join(self.workdir, f"daemon-{uuid.uuid4().hex[:8]}.log"))
         self.proc: subprocess.Popen | None = None
         self.stopped = False
@@ -109,6 +143,14 @@ class Daemon:
         return self.unix_url if self.unix_path is not None else self.tcp_url
 
     @property
+    def token(self) -> str | None:
+        """The token clients must send (None without one)."""
+        if self.token_file is None:
+            return None
+        with open(self.token_file) as f:
+            return f.read().strip()
+
+    @property
     def pid(self) -> int:
         if self.proc is None:
             raise RuntimeError("the daemon is not started")
@@ -124,6 +166,10 @@ class Daemon:
         cmd += ["--capacity", self.capacity, "--log-level", self.log_level]
         if self.metrics_port is not None:
             cmd += ["--metrics-port", str(self.metrics_port)]
+        if self.token_file is not None:
+            cmd += ["--token-file", self.token_file]
+        if self.insecure:
+            cmd += ["--insecure"]
         return cmd + list(self.args)
 
     def start(self, timeout: float = 30.0) -> Daemon:

@@ -1,5 +1,6 @@
 """``python -m benchmarks.pd run ...`` serves one trace on one deployment; ``compare`` runs every workload and
-trace through the three deployments and writes the comparison's summary and report."""
+trace through the three deployments and writes the comparison's summary and report; ``validate-planner``
+compares the planner's simulator with the small engine (benchmarks/pd/validate.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from benchmarks.pd.metrics import Slo
 from benchmarks.pd.model import MODEL_PRESETS
 from benchmarks.pd.trace import Trace, TraceFormat, TraceScaling, Workload, generate, load_trace
 from benchmarks.pd.transfer import Transport
+from benchmarks.pd.validate import add_validate_parser, main_validate
 from benchmarks.pd.vllm_cli import add_vllm_args, vllm_compare_config
 
 
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inline", action="store_true", help="all workers in this process, embedded store")
     add_compare_parser(sub)
     add_make_model_parser(sub)
+    add_validate_parser(sub)
     return parser
 
 
@@ -196,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_make_model(args)
     if args.command == "compare":
         return _main_compare(parser, args)
+    if args.command == "validate-planner":
+        return main_validate(args)
     try:
         config = _config(args, Arch(args.arch))
         trace = _trace(args, config.model.vocab_size)

@@ -50,6 +50,9 @@ def cluster_config(args: argparse.Namespace, listen: tuple):
 
 def serve(args: argparse.Namespace, config) -> int:
     """Run a cluster member with the single-node ``config`` (a ServerConfig) until SIGTERM/SIGINT."""
+    from kvstore.cluster.config import require_redis
+
+    require_redis()  # before anything is bound or allocated
     from kvstore.cluster.daemon.node import ClusterServer
     from kvstore.daemon.server import run
 

@@ -5,28 +5,25 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
+import unicodedata
 from collections.abc import Callable
 
 from kvstore.errors import KVStoreError
+from kvstore.protocol.credentials import read_token_file
+from kvstore.protocol.url import default_socket_url, default_url
 from kvstore.units import format_size, parse_size
 
-DEFAULT_URL = os.environ.get("KVSTORE_URL", "unix:///tmp/kvstore.sock")
+DEFAULT_URL = default_url()
 
 
 def _serve(args: argparse.Namespace) -> int:
     from kvstore.daemon.server import ServerConfig, run
 
-    token = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
-        if not token:
-            raise KVStoreError(f"token file {args.token_file} is empty")
+    token = read_token_file(args.token_file) if args.token_file else None
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ServerConfig(listen=tuple(args.listen or ["unix:///tmp/kvstore.sock"]), capacity=parse_size(args.capacity),
+    config = ServerConfig(listen=tuple(args.listen or [default_socket_url()]), capacity=parse_size(args.capacity),
                           metrics_port=args.metrics_port, token=token, insecure=args.insecure,
                           high_watermark=args.high_watermark, low_watermark=args.low_watermark,
                           heartbeat_timeout=args.heartbeat_timeout, gpu_capacity=parse_size(args.gpu_capacity),
@@ -41,10 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace):
     from kvstore.api import connect
 
-    token = None
-    if getattr(args, "token_file", None):
-        with open(args.token_file) as f:
-            token = f.read().strip()
+    token = read_token_file(args.token_file) if getattr(args, "token_file", None) else None
     return connect(args.url, timeout=args.timeout, token=token, transport=args.transport, client_name="kvstore-cli")
 
 
@@ -63,10 +57,24 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def printable(key: str) -> str:
+    """``key`` safe for a terminal: control and format characters (escape sequences, a newline that forges
+    another line, bidi overrides) and the backslash written as Python escapes; the rest as is."""
+    out = []
+    for ch in key:
+        if ch == "\\":
+            out.append("\\\\")
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp"):
+            out.append(ascii(ch)[1:-1])  # \n, \x1b, \u202e
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def _ls(args: argparse.Namespace) -> int:
     with _client(args) as store:
         for key in store.keys(args.prefix):
-            print(key)
+            print(printable(key))
     return 0
 
 
@@ -106,7 +114,7 @@ def _rm(args: argparse.Namespace) -> int:
     with _client(args) as store:
         removed = store.remove(args.key)
     if not removed:
-        print(f"{args.key}: not found", file=sys.stderr)
+        print(f"{printable(args.key)}: not found", file=sys.stderr)
         return 1
     return 0
 
@@ -131,7 +139,7 @@ def _client_parser(sub, name: str, help_text: str, handler: Callable[[argparse.N
     p.add_argument("--url", default=DEFAULT_URL, help="daemon address (default %(default)s; env KVSTORE_URL)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default %(default)s)")
     p.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "ucx"], help="data path")
-    p.add_argument("--token-file", help="file holding the daemon's token")
+    p.add_argument("--token-file", help="file holding the daemon's token (mode 0600; default $KVSTORE_TOKEN_FILE)")
     p.set_defaults(handler=handler)
     return p
 
@@ -144,15 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", action="append", metavar="URL",
                    help="unix:///path or tcp://host:port (control and data), or ucx://host:port (the UCX data "
                         "endpoint; needs ucxx; clients choose it with transport='ucx'); repeatable "
-                        "(default unix:///tmp/kvstore.sock)")
+                        f"(default {default_socket_url()}: $XDG_RUNTIME_DIR, else a 0700 /tmp/kvstore-UID)")
     p.add_argument("--capacity", default="1GiB", help="host memory for objects, e.g. 8GiB (default %(default)s)")
     p.add_argument("--gpu-capacity", default="0", metavar="SIZE",
                    help="GPU memory for objects put from CUDA tensors, e.g. 8GiB: same-host clients reach it by "
                         "CUDA IPC (transport cuda_ipc); needs a CUDA GPU (default 0: none)")
     p.add_argument("--device", type=int, metavar="N", help="CUDA device of --gpu-capacity (default 0)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
-    p.add_argument("--token-file", help="require this token from clients (needed for non-loopback TCP)")
-    p.add_argument("--insecure", action="store_true", help="allow non-loopback TCP without a token")
+    p.add_argument("--token-file", help="require the token in this file (mode 0600) from every client; needed "
+                   "for tcp:// and ucx:// listeners")
+    p.add_argument("--insecure", action="store_true", help="allow tcp:// and ucx:// listeners without a token "
+                   "(logs a warning: any local user can then read and write every object)")
     p.add_argument("--high-watermark", type=float, default=0.9, help="start evicting above this fill fraction")
     p.add_argument("--low-watermark", type=float, default=0.8, help="evict down to this fill fraction")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,

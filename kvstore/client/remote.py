@@ -7,6 +7,7 @@ take the negotiated transport (``shm``: one copy into or out of the mapped segme
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from kvstore.errors import InvalidArgumentError, KVStoreError, ObjectTooLargeErr
 from kvstore.memory.device import DeviceBuffer
 from kvstore.memory.index import IndexReader
 from kvstore.memory.shm import SharedMemory, SharedMemoryError
+from kvstore.protocol.credentials import env_token
 from kvstore.protocol.url import Endpoint, host_id
 from kvstore.transports.base import TransportFailure, TransportUnavailable
 from kvstore.transports.cuda_ipc import device_path
@@ -30,6 +32,7 @@ from kvstore.transports.shm import ShmTransport
 from kvstore.transports.tcp import StreamTransport
 
 INLINE_MAX = 64 << 10
+log = logging.getLogger("kvstore.client")
 
 
 class RemoteStore(KVStore):
@@ -40,31 +43,24 @@ class RemoteStore(KVStore):
             raise InvalidArgumentError(f"{url} is a daemon's UCX data endpoint; connect to its unix:// or tcp:// "
                                        "address with transport='ucx'")
         self.timeout = timeout
-        self._token = token
+        self._token = token if token is not None else env_token()
         self._waiter: Connection | None = None  # wait() blocks on its own connection
         self._waiter_lock = threading.Lock()
-        self._conn = Connection(self.endpoint, timeout)
         self._index: IndexReader | None = None
         self._index_shm: SharedMemory | None = None
         self._device: DirectDeviceMemory | None = None  # built on first use of device memory
         self._device_reason = ""  # why this connection cannot move device memory, once known
+        self._inline = StreamTransport()
+        name = client_name or f"pid-{os.getpid()}"
         try:
-            hello = self._conn.call({"op": "hello", "client": client_name or f"pid-{os.getpid()}",
-                                     "token": token, "transport": transport, "host": host_id(),
-                                     "pid": os.getpid(), "transports": transports.names()})
-            self.transport = hello["transport"]
-            segments = {sid: (name, size) for sid, name, size in hello["segments"]}
-            self._data = transports.get(self.transport)(segments)
-            self._inline = StreamTransport()
-            if isinstance(self._data, ShmTransport):  # shm, and cuda_ipc (which maps the same memory)
-                self._index_shm = SharedMemory.attach(*hello["index"])
-                self._index = IndexReader(self._index_shm.buf, self._data.region)
-        except (TransportFailure, SharedMemoryError) as exc:
-            self._conn.close()
-            raise TransportError(str(exc)) from None
-        except BaseException:
-            self._conn.close()
-            raise
+            hello = self._open(name, transport)
+        except TransportError as exc:
+            if transport != "auto":
+                raise
+            # the daemon's memory cannot be mapped from here (removed, another mount namespace): the stream
+            # path through the daemon still works, only slower
+            log.warning("%s: cannot use the same-host path (%s); falling back to tcp", url, exc)
+            hello = self._open(name, "tcp")
         self.capacity = hello["capacity"]
         self.client_id = hello["client_id"]
         self.producer = f"{host_id()}:{os.getpid()}:{self.client_id}"
@@ -72,6 +68,31 @@ class RemoteStore(KVStore):
         self._heartbeat = threading.Thread(target=self._beat, args=(hello["heartbeat_s"] / 3,),
                                            name="kvstore-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _open(self, name: str, transport: str) -> dict:
+        """Connect, say hello and set up the data path the daemon chose; TransportError if it cannot be
+        mapped (the connection is closed then)."""
+        self._conn = Connection(self.endpoint, self.timeout)
+        try:
+            hello = self._conn.call({"op": "hello", "client": name, "token": self._token, "transport": transport,
+                                     "host": host_id(), "pid": os.getpid(), "transports": transports.names()})
+            self.transport = hello["transport"]
+            segments = {sid: (seg, size) for sid, seg, size in hello["segments"]}
+            self._data = transports.get(self.transport)(segments)
+            if isinstance(self._data, ShmTransport):  # shm, and cuda_ipc (which maps the same memory)
+                try:
+                    self._index_shm = SharedMemory.attach(*hello["index"])
+                except BaseException:
+                    self._data.close()
+                    raise
+                self._index = IndexReader(self._index_shm.buf, self._data.region)
+        except (TransportFailure, SharedMemoryError) as exc:
+            self._conn.close()
+            raise TransportError(str(exc)) from None
+        except BaseException:
+            self._conn.close()
+            raise
+        return hello
 
     def _beat(self, period: float) -> None:
         while not self._stop.wait(period):

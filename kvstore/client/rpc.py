@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from kvstore.errors import KVStoreError, ProtocolError, StoreConnectionError, StoreTimeoutError, error_from_wire
 from kvstore.protocol import wire
+from kvstore.protocol.credentials import check_peer
 from kvstore.protocol.url import Endpoint
 from kvstore.transports.tcp import tune
 
@@ -47,6 +48,12 @@ class Connection:
         except OSError as exc:
             sock.close()
             raise StoreConnectionError(f"cannot connect to {ep}: {exc}") from None
+        if ep.scheme == "unix":
+            try:
+                check_peer(sock, str(ep))  # before a token or a byte of data goes out
+            except BaseException:
+                sock.close()
+                raise
         tune(sock)
         return sock
 
@@ -156,7 +163,7 @@ class Connection:
         self._fill(sock, 4 + n)
         body = bytes(self._buf[self._start + 4:self._start + 4 + n])
         self._start += 4 + n
-        return wire.decode(body)
+        return wire.decode(body, wire.REPLY_LIMITS)
 
     def _read_into(self, sock: socket.socket, view: memoryview) -> None:
         take = min(len(view), self._end - self._start)

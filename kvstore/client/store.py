@@ -161,8 +161,16 @@ class KVStore(ABC):
 
     # ---- reads --------------------------------------------------------------------------------------
     def get(self, key: str, *, copy: bool = True, verify: bool = False) -> KVObject:
-        """The object under ``key``. ``copy=False`` returns a read-only zero-copy view into the store's
-        memory that holds a lease (the object cannot be evicted or removed) until released."""
+        """The object under ``key``, read-only; its bytes never change under the caller on any transport.
+
+        ``copy=False`` avoids the copy where the store's memory can be mapped: embedded, and a daemon's
+        ``shm`` / ``cuda_ipc`` paths return a view into the store's memory that holds a lease (the object
+        cannot be evicted or removed) until ``release()``, the end of a ``with`` block or garbage collection.
+        Over ``tcp`` and ``ucx`` the bytes have to cross a socket into this process anyway, so ``copy=False``
+        returns that private copy and holds no lease: the stored object may then be evicted or removed while
+        the copy stays valid. Use ``with store.lease(key):`` to keep an object in the store on every
+        transport. (A lease over tcp would only pin the object at the cost of two round trips, protecting
+        no memory of the caller's.)"""
         obj = self._get(validate_key(key), copy=copy)
         if verify:
             self._verify(obj.meta, memoryview(obj))

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from kvstore.errors import InvalidArgumentError
+from kvstore.errors import InvalidArgumentError, MissingExtraError
 from kvstore.protocol.url import Endpoint
 
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
@@ -134,9 +134,19 @@ class ClusterConfig:
         return self.node_ttl / 3
 
 
+def require_redis() -> None:
+    """MissingExtraError unless the ``cluster`` extra (the redis client) is installed."""
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise MissingExtraError("cluster mode needs the 'cluster' extra (the redis client): "
+                                "pip install 'kvstore[cluster]'") from None
+
+
 def open_redis(url: str, timeout: float, *, asynchronous: bool, pubsub: bool = False):
     """A Redis client for ``url`` whose every command is bounded by ``timeout`` seconds. A pub/sub client waits
     for messages without a read timeout and pings its connection instead."""
+    require_redis()
     import redis
     from redis.backoff import NoBackoff
 

@@ -6,15 +6,25 @@ checksum recorded at commit, producer, creation time, TTL and the caller's own s
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvstore.errors import InvalidArgumentError, InvalidKeyError
 
 SCHEMA_VERSION = 1
 MAX_KEY_BYTES = 1024
 MAX_USER_META_ITEMS = 64
+MAX_USER_META_STR = 16 << 10  # bytes of one str or bytes value (the daemon's decoder allows no more)
 VALUE_KINDS = ("bytes", "numpy", "torch")
+#: torch dtypes a value may have, by name, with their item sizes (no torch import in the core)
+TORCH_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "uint32": 4, "int32": 4, "uint64": 8,
+                  "int64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4,
+                  "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1,
+                  "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1}
 
 
 def validate_key(key: object) -> str:
@@ -35,6 +45,47 @@ def validate_key(key: object) -> str:
     if len(encoded) > MAX_KEY_BYTES:
         raise InvalidKeyError(f"key is {len(encoded)} bytes, the maximum is {MAX_KEY_BYTES}")
     return key
+
+
+def numpy_dtype(text: str) -> np.dtype:
+    """The plain numpy dtype ``text`` names; InvalidArgumentError for one that cannot travel as bytes
+    (Python objects: their bytes are pointers) or that ``dtype.str`` cannot describe faithfully (structured
+    dtypes lose their field names, subarray dtypes their shape)."""
+    try:
+        dtype = np.dtype(text)
+    except Exception:  # numpy raises TypeError, ValueError, SyntaxError... for odd strings
+        raise InvalidArgumentError(f"field 'dtype' {text!r:.80} is not a numpy dtype") from None
+    return check_plain_dtype(dtype)
+
+
+def check_plain_dtype(dtype: np.dtype) -> np.dtype:
+    if dtype.hasobject:
+        raise InvalidArgumentError(f"numpy dtype {dtype} holds Python objects, which cannot be stored")
+    if dtype.fields is not None or dtype.subdtype is not None:
+        raise InvalidArgumentError(f"structured numpy dtype {dtype} is not supported (field names would be "
+                                   "lost): store each field as its own array, or put arr.view(np.uint8)")
+    return dtype
+
+
+@functools.lru_cache(maxsize=256)  # a store sees a handful of dtypes; parsing one costs microseconds
+def _itemsize(kind: str, dtype: str) -> int:
+    if kind == "numpy":
+        return numpy_dtype(dtype).itemsize
+    if dtype in TORCH_ITEMSIZE:
+        return TORCH_ITEMSIZE[dtype]
+    raise InvalidArgumentError(f"field 'dtype' {dtype!r:.80} is not a torch dtype this store knows")
+
+
+def _check_value(kind: str, dtype: str | None, shape: tuple[int, ...] | None, size: int) -> None:
+    """The dtype and shape rebuild exactly ``size`` bytes (a producer's metadata is not trusted)."""
+    if kind == "bytes":
+        return
+    if dtype is None or shape is None:
+        raise InvalidArgumentError(f"a {kind} value needs a dtype and a shape, got {dtype!r} and {shape!r}")
+    itemsize = _itemsize(kind, dtype)
+    if itemsize * math.prod(shape) != size:
+        raise InvalidArgumentError(f"shape {shape} of {dtype} is {itemsize * math.prod(shape)} bytes, but the "
+                                   f"object has {size}")
 
 
 def validate_ttl(ttl: object) -> float | None:
@@ -63,7 +114,12 @@ def validate_user_meta(meta: object) -> dict:
 def _check_plain(value: object, where: str, depth: int = 0) -> None:
     if depth > 8:
         raise InvalidArgumentError(f"{where} is nested too deeply")
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+    if isinstance(value, (str, bytes)):
+        n = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else len(value)
+        if n > MAX_USER_META_STR:
+            raise InvalidArgumentError(f"{where} is {n} bytes, the maximum is {MAX_USER_META_STR}")
+        return
+    if value is None or isinstance(value, (bool, int, float)):
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
@@ -131,9 +187,11 @@ class ObjectMeta:
                 user=validate_user_meta(d.get("user")),
                 schema=_int(d, "schema", default=SCHEMA_VERSION),
             )
+            if meta.compression == "none":
+                _check_value(meta.kind, meta.dtype, meta.shape, meta.size)
         except KeyError as exc:
             raise InvalidArgumentError(f"object meta lacks field {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, InvalidArgumentError):
                 raise
             raise InvalidArgumentError(f"bad object meta: {exc}") from None

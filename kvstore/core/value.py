@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.core.meta import ObjectMeta
+from kvstore.core.meta import ObjectMeta, check_plain_dtype
 from kvstore.errors import InvalidArgumentError
 from kvstore.memory.device import DeviceBuffer
 
@@ -54,10 +54,9 @@ def as_payload(value: Any) -> Payload:
     if isinstance(value, DeviceBuffer):  # device memory: only the GPU paths take it (kvstore.client.device)
         raise _not_host(value, "put")
     if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            raise InvalidArgumentError("numpy arrays of Python objects cannot be stored")
-        arr = np.ascontiguousarray(value)
-        return Payload(memoryview(arr.reshape(-1).view(np.uint8)), "numpy", arr.dtype.str, arr.shape)
+        check_plain_dtype(value.dtype)
+        arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # which makes 0-d arrays 1-d
+        return Payload(memoryview(arr.reshape(-1).view(np.uint8)), "numpy", arr.dtype.str, value.shape)
     try:
         view = memoryview(value)
     except TypeError:
@@ -105,8 +104,9 @@ class KVObject(np.ndarray):
     ``memoryview(obj)``), with ``.meta`` and ``.numpy()`` / ``.tensor()`` to get the value back with the
     dtype and shape it was put with.
 
-    A zero-copy object (``get(key, copy=False)``) views the store's memory and holds a lease until
-    ``release()``, the end of a ``with`` block, or garbage collection."""
+    A zero-copy object (``get(key, copy=False)`` on a transport that maps the store's memory; see
+    ``KVStore.get``) views that memory and holds a lease until ``release()``, the end of a ``with`` block, or
+    garbage collection."""
 
     meta: ObjectMeta
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgumentError
-from kvstore.protocol.url import Endpoint
+from kvstore.protocol.url import Endpoint, default_socket_url
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    listen: tuple[str, ...] = ("unix:///tmp/kvstore.sock",)
+    listen: tuple[str, ...] = field(default_factory=lambda: (default_socket_url(),))
     capacity: int = 1 << 30
     metrics_port: int | None = None
     token: str | None = None
@@ -30,10 +30,12 @@ class ServerConfig:
         if all(ep.scheme == "ucx" for ep in endpoints) or sum(ep.scheme == "ucx" for ep in endpoints) > 1:
             raise InvalidArgumentError("ucx:// is a data endpoint: give one at most, next to a unix:// or tcp:// "
                                        "--listen address for the control connection")
-        for ep in endpoints:
-            if not ep.is_loopback() and self.token is None and not self.insecure:
-                raise InvalidArgumentError(f"refusing to listen on non-loopback {ep} without a token "
-                                           "(--token-file) or --insecure")
+        for ep in endpoints:  # loopback is no boundary: every local user can connect to it
+            if ep.scheme != "unix" and self.token is None and not self.insecure:
+                kind = "" if ep.is_loopback() else "non-loopback "
+                raise InvalidArgumentError(f"refusing to listen on {kind}{ep} without a token (--token-file): "
+                                           "any local user could read and write every object; give "
+                                           "--insecure to do it anyway")
         if self.capacity <= 0:
             raise InvalidArgumentError(f"capacity must be positive, got {self.capacity}")
         self._check_gpu()

@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import time
+from os.path import dirname
 
 from kvstore.core.master import LRUPolicy, Master, Replica, Tier
 from kvstore.daemon.config import ServerConfig
@@ -22,7 +23,8 @@ from kvstore.gpu.memory import GpuMemory
 from kvstore.memory import index as shm_index
 from kvstore.memory.segment import SegmentSet, reap_orphans
 from kvstore.memory.shm import SharedMemory
-from kvstore.protocol.url import Endpoint, host_id
+from kvstore.protocol.credentials import ensure_private_dir
+from kvstore.protocol.url import Endpoint, host_id, runtime_dir
 from kvstore.transports.tcp import tune
 
 log = logging.getLogger("kvstore.daemon.server")
@@ -78,6 +80,9 @@ class Server:
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        if cfg.insecure and cfg.token is None:
+            log.warning("--insecure: TCP/UCX listeners take no token; anyone who can reach them can read, write "
+                        "and remove every object")
         self._bind_all()  # first: a daemon that cannot listen must not leave memory behind
         for name in reap_orphans():
             log.info("removed shared memory %s left by a dead daemon", name)
@@ -153,6 +158,8 @@ class Server:
 
     def _bind(self, ep: Endpoint) -> socket.socket:
         if ep.scheme == "unix":
+            if dirname(ep.path) == runtime_dir():  # the default place: make sure nobody else owns it
+                ensure_private_dir(runtime_dir())
             _refuse_if_live(ep.path)
             _remove_stale_socket(ep.path)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

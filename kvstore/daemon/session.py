@@ -87,7 +87,8 @@ class Session(GpuOps, UcxOps):
             if str(exc):
                 raise
             return None  # clean end of stream between frames
-        n = wire.frame_length(self._buf[self._start:self._start + 4])
+        limit = wire.MAX_FRAME if self.client is not None else wire.MAX_PREAUTH_FRAME
+        n = wire.frame_length(self._buf[self._start:self._start + 4], limit)
         await self._fill(4 + n)
         body = memoryview(self._buf)[self._start + 4:self._start + 4 + n]
         self._start += 4 + n

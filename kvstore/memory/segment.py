@@ -2,6 +2,9 @@
 
 Names are ``kvstore-<pid>-<nonce>-<n>`` (segments) and ``kvstore-<pid>-<nonce>-index``; the daemon unlinks
 them at shutdown, and a daemon starting up unlinks those whose owner process is gone (a SIGKILLed daemon).
+"Gone" is decided by the owner's flock on the file (see kvstore.memory.shm), never by the pid in the name:
+two daemons sharing ``/dev/shm`` from different PID namespaces (containers with ``--ipc=host``) cannot see
+each other's pids, but they see each other's locks.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import os
 import secrets
 from dataclasses import dataclass
 
-from kvstore.memory.shm import SHM_DIR, SharedMemory
+from kvstore.memory.shm import CREATING, SHM_DIR, SharedMemory, try_lock
 
 PREFIX = "kvstore-"
 
@@ -64,23 +67,30 @@ class SegmentSet:
 
 
 def reap_orphans() -> list[str]:
-    """Unlink kvstore shared memory left by processes that no longer exist; returns the names removed."""
+    """Unlink kvstore shared memory whose owner is gone: nobody holds its lock, and the pid in its name (when
+    it names one) is not a live process here. Returns the names removed."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(PREFIX):
+        if not name.startswith((PREFIX, CREATING)):
             continue
-        pid_text = name[len(PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit() or _alive(int(pid_text)):
-            continue
+        pid_text = name[len(PREFIX):].split("-", 1)[0] if name.startswith(PREFIX) else ""
+        if pid_text.isdigit() and _alive(int(pid_text)):
+            continue  # also spares a live daemon of an older version, which holds no lock
+        path = os.path.join(SHM_DIR, name)
+        fd = try_lock(path)
+        if fd is None:
+            continue  # a live owner, here or in another PID namespace (or not ours to remove)
         try:
-            os.unlink(os.path.join(SHM_DIR, name))
+            os.unlink(path)
             removed.append(name)
         except OSError:
             pass
+        finally:
+            os.close(fd)
     return removed
 
 

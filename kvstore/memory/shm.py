@@ -1,12 +1,16 @@
 """POSIX shared memory: one ``/dev/shm`` mapping, created (0600, pre-faulted) by its owner or attached by others.
 
 The memory primitive under the daemon's segments and index, and under the ``shm`` transport that maps them.
+An owner holds an exclusive ``flock`` on its file for as long as it lives (the kernel drops it when the
+process dies, in whatever PID namespace): that, not a pid, is what says a segment is still in use.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import secrets
 
 
 class SharedMemoryError(Exception):
@@ -18,6 +22,7 @@ class SharedMemoryUnavailable(SharedMemoryError):
 
 
 SHM_DIR = "/dev/shm"
+CREATING = ".kvstore-creating-"  # a segment's name while its owner sets it up, locked, before it is published
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _PAGE = mmap.PAGESIZE
 
@@ -31,8 +36,9 @@ def _path(name: str) -> str:
 class SharedMemory:
     """One POSIX shared-memory mapping of ``size`` bytes, exposed as a writable memoryview ``buf``."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool):
+    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool, lock_fd: int | None = None):
         self.name, self.size, self._mm, self.owner = name, size, mm, owner
+        self._lock_fd = lock_fd  # an owner's open file, flock'ed until close()
         self.buf = memoryview(mm)
 
     @classmethod
@@ -42,18 +48,21 @@ class SharedMemory:
         ``prefault`` populates every page now, so the first put runs at warm-memory speed.
         ``unlink_now`` removes the name at once (an in-process store that nobody else maps)."""
         path = _path(name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd, tmp = _create_locked(path)
         try:
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if not unlink_now:
+                os.link(tmp, path)  # published under its name already locked (fails if the name is taken)
         except BaseException:
-            os.unlink(path)
+            os.close(fd)
             raise
         finally:
-            os.close(fd)
+            os.unlink(tmp)
         if unlink_now:
-            os.unlink(path)
-        shm = cls(name, size, mm, owner=not unlink_now)
+            os.close(fd)
+            fd = None
+        shm = cls(name, size, mm, owner=not unlink_now, lock_fd=fd)
         if prefault:
             shm.prefault()
         return shm
@@ -83,6 +92,9 @@ class SharedMemory:
                 self.buf[offset] = 0
 
     def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock: after unlink() when the owner removes it
+            self._lock_fd = None
         self.buf.release()
         try:
             self._mm.close()
@@ -94,3 +106,33 @@ class SharedMemory:
             os.unlink(_path(self.name))
         except FileNotFoundError:
             pass
+
+
+def _create_locked(path: str) -> tuple[int, str]:
+    """A new 0600 file next to ``path`` under a temporary name, flock'ed: (fd, temporary path)."""
+    for _ in range(8):
+        tmp = os.path.join(os.path.dirname(path), f"{CREATING}{secrets.token_hex(8)}")
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a reaper opened it in the instant before our lock: pick another name
+            os.close(fd)
+            continue
+        if os.path.exists(tmp):
+            return fd, tmp
+        os.close(fd)  # a reaper took and removed it first
+    raise SharedMemoryError(f"cannot create {path}: its temporary file kept disappearing")
+
+
+def try_lock(path: str) -> int | None:
+    """An fd holding ``path``'s exclusive lock if nobody holds it (its owner is gone), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None  # gone, or another user's
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd

@@ -4,11 +4,29 @@ endpoint) address, and this host's identity."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvstore.errors import InvalidArgumentError
+
+
+def runtime_dir() -> str:
+    """This user's directory for the default socket: ``$XDG_RUNTIME_DIR`` (0700 by its spec), else
+    ``/tmp/kvstore-<uid>`` (the daemon creates it 0700; see kvstore.protocol.credentials.ensure_private_dir)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return xdg if xdg and os.path.isabs(xdg) else f"/tmp/kvstore-{os.getuid()}"
+
+
+def default_socket_url() -> str:
+    """Where ``kvstore serve`` listens by default: ``unix://<runtime_dir()>/kvstore.sock``."""
+    return f"unix://{os.path.join(runtime_dir(), 'kvstore.sock')}"
+
+
+def default_url() -> str:
+    """Where clients connect by default: ``$KVSTORE_URL``, else ``default_socket_url()``."""
+    return os.environ.get("KVSTORE_URL") or default_socket_url()
 
 
 def host_id() -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -20,7 +21,32 @@ from kvstore.errors import InvalidArgumentError, InvalidKeyError, ProtocolError
 
 VERSION = 1
 MAX_FRAME = 1 << 20
+#: Until a connection's ``hello`` succeeds it may send frames of this size at most: a hello is a few hundred
+#: bytes, and an unauthenticated peer must not make the daemon buffer or decode a megabyte.
+MAX_PREAUTH_FRAME = 16 << 10
 LENGTH = struct.Struct("<I")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLimits:
+    """Bounds on the work one frame can make ``decode`` do. msgpack's own limits bound each array, map,
+    str and bin; ``containers`` bounds the number of arrays and maps in the whole frame (a 1 MiB frame of
+    a million empty arrays costs a third of a second of the event loop; scalars are cheap)."""
+
+    array: int
+    map: int
+    str: int
+    bin: int
+    containers: int
+
+
+#: What the request schema allows: key lists of 4096 (``batch_exists``, ``wait``, ``commit_many``; arrays get
+#: twice that here so that a list just over the limit gets the validator's field error, not a closed
+#: connection), str fields of 4096 characters (up to 4 bytes each), the 64-item user metadata nested 8 deep,
+#: UCX worker addresses of 64 KiB.
+REQUEST_LIMITS = DecodeLimits(array=2 * 4096, map=256, str=4 * 4096, bin=65536, containers=2048)
+#: Replies come from the daemon the client authenticated (stats, key listings): bounded by the frame.
+REPLY_LIMITS = DecodeLimits(array=MAX_FRAME, map=1 << 16, str=MAX_FRAME, bin=MAX_FRAME, containers=MAX_FRAME)
 
 
 def encode(message: dict) -> bytes:
@@ -30,17 +56,35 @@ def encode(message: dict) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-def frame_length(header: bytes | memoryview) -> int:
+def frame_length(header: bytes | memoryview, limit: int = MAX_FRAME) -> int:
+    """The body length a frame header announces; ProtocolError above ``limit`` (``MAX_PREAUTH_FRAME``
+    before authentication)."""
     (n,) = LENGTH.unpack(header)
-    if n > MAX_FRAME:
-        raise ProtocolError(f"frame of {n} bytes exceeds the maximum of {MAX_FRAME}")
+    if n > limit:
+        when = " before authentication (send hello first)" if limit < MAX_FRAME else ""
+        raise ProtocolError(f"frame of {n} bytes exceeds the maximum of {limit}{when}")
     return n
 
 
-def decode(body: bytes | memoryview) -> dict:
+class _TooManyContainers(ValueError):
+    pass
+
+
+def decode(body: bytes | memoryview, limits: DecodeLimits = REQUEST_LIMITS) -> dict:
+    """One frame body as a map; ProtocolError for anything else, or for more structure than ``limits``."""
+    left = [limits.containers]
+
+    def count(container):
+        left[0] -= 1
+        if left[0] < 0:
+            raise _TooManyContainers(f"more than {limits.containers} arrays and maps in one frame")
+        return container
+
+    hooks = {} if limits.containers >= MAX_FRAME else {"list_hook": count, "object_hook": count}  # replies: none
     try:
-        message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME,
-                                  max_str_len=MAX_FRAME, max_array_len=1 << 16, max_map_len=1 << 16)
+        message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=limits.bin,
+                                  max_str_len=limits.str, max_array_len=limits.array, max_map_len=limits.map,
+                                  max_ext_len=0, **hooks)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
     if not isinstance(message, dict):
@@ -184,6 +228,9 @@ def validate(message: dict) -> tuple[str, int, dict]:
     """Check version, id, op and every field; returns (op, request id, clean fields).
 
     Raises ProtocolError for a bad version or unknown op, InvalidArgumentError/InvalidKeyError for fields."""
+    odd = [k for k in message if not isinstance(k, str)]
+    if odd:  # msgpack maps may mix str and bytes names; ours are str only
+        raise InvalidArgumentError(f"field names must be str, got {odd[0]!r:.80}")
     if message.get("v") != VERSION:
         raise ProtocolError(f"schema version {message.get('v')!r} is not supported (this side speaks {VERSION})")
     rid = message.get("id")
@@ -215,5 +262,6 @@ def error_reply(rid: int, exc: Exception) -> dict:
     return reply
 
 
-__all__ = ["VERSION", "MAX_FRAME", "MAX_KEY_BYTES", "encode", "decode", "frame_length", "validate",
+__all__ = ["VERSION", "MAX_FRAME", "MAX_PREAUTH_FRAME", "DecodeLimits", "REQUEST_LIMITS", "REPLY_LIMITS",
+           "MAX_KEY_BYTES", "encode", "decode", "frame_length", "validate",
            "error_reply", "InvalidKeyError"]

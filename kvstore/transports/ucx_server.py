@@ -14,6 +14,7 @@ client's endpoint, so closing a UcxPeer (the session ended) cancels whatever it 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from typing import Any
 
 from kvstore.transports.base import TransportFailure
 from kvstore.transports.ucx import WIREUP_TAG, check, failure, load, new_tag
+from kvstore.transports.ucx_bind import bind_addresses, local_address
 
 log = logging.getLogger("kvstore.daemon.server")
 #: an endpoint that connected to the listener but was not claimed by a session within this time is closed
@@ -124,6 +126,7 @@ class UcxDataServer:
 
     def __init__(self, host: str, port: int, config: dict[str, str] | None = None):
         self.host, self.port = host, port
+        self._bind = bind_addresses(host)
         self.lib, self.array = load()
         self._config = {**context_config(), **(config or {})}
         self._pending: list[_Pending] = []
@@ -234,6 +237,19 @@ class UcxDataServer:
             log.debug("closing a UCX endpoint: %s", exc)
         self._kick()
 
+    def _addressed_to_us(self, endpoint: Any) -> bool:
+        """ucxx listens on every interface (it takes no bind address): serve only connections that arrived
+        on the address asked for (``--listen ucx://127.0.0.1:P`` must not answer on a public interface)."""
+        if self._bind is None:
+            return True
+        local = local_address(endpoint)
+        if local is not None and ipaddress.ip_address(local) in self._bind:
+            return True
+        log.warning("refused a UCX connection to %s: this endpoint serves %s only", local or "an unknown address",
+                    self.host)
+        self.close_endpoint(endpoint)
+        return False
+
     def _on_connect(self, conn_request: Any) -> None:
         # Runs inside worker progress: accept on the next loop turn instead of re-entering UCX here.
         self._loop.call_soon(self._accept, conn_request)
@@ -245,6 +261,8 @@ class UcxDataServer:
             endpoint = self._listener.create_endpoint_from_conn_request(conn_request, True)
         except Exception as exc:
             log.warning("refused a UCX connection: %s", exc)
+            return
+        if not self._addressed_to_us(endpoint):
             return
         conn = new_tag()
         self._unclaimed[conn] = (endpoint, time.monotonic() + UNCLAIMED_TTL)
@@ -364,3 +382,4 @@ def _quiet(future: asyncio.Future) -> None:
     """Mark a failure as seen: a transfer nobody awaits any more (its session closed) is not an error."""
     if not future.cancelled():
         future.exception()
+

@@ -24,6 +24,7 @@ import numpy as np
 import kvstore
 from kvstore.core.meta import ObjectMeta
 from kvstore.protocol import wire
+from kvstore.protocol.credentials import env_token
 from kvstore.protocol.url import Endpoint, host_id
 
 
@@ -58,7 +59,7 @@ def put_stream(url: str, key: str, size: int) -> None:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.connect(ep.path if ep.scheme == "unix" else (ep.host, ep.port))
     sock.sendall(wire.encode({"v": wire.VERSION, "id": 1, "op": "hello", "client": "stalled-writer",
-                              "transport": "tcp", "host": host_id(), "pid": os.getpid()}))
+                              "transport": "tcp", "host": host_id(), "pid": os.getpid(), "token": env_token()}))
     _read_reply(sock)
     meta = ObjectMeta(key=key, size=size)
     sock.sendall(wire.encode({"v": wire.VERSION, "id": 2, "op": "put", "key": key, "size": size,

@@ -217,3 +217,30 @@ def test_a_corrupted_chunk_is_detected_and_nothing_is_written(daemon_factory):
             h.fetch("bad", dst, [4, 5, 6, 7], timeout=5)
         assert not any(c.any() for c in dst), "a corrupted request wrote pages"
 
+
+@pytest.mark.parametrize("bad", [[0.9, 1.9, 2.9], torch.tensor([0.9, 1.9, 2.9]), torch.tensor([True, False, True]),
+                                 [True, False, True], __import__("numpy").array([0.5, 1.5, 2.5])],
+                         ids=["float-list", "float-tensor", "bool-tensor", "bool-list", "float-numpy"])
+def test_non_integer_block_ids_are_refused_before_anything_is_consumed(hstore, bad):
+    h = KVHandoff(hstore, LAYOUT, chunk_blocks=2)
+    src = child.caches(8, seed=5)
+    with pytest.raises(TypeError, match="float|bool"):
+        h.publish("nf-pub", src, bad, num_tokens=3 * BS)
+    h.publish("nf", src, [1, 2, 3], num_tokens=3 * BS).wait()
+    dst = zeros(8)
+    with pytest.raises(TypeError, match="float|bool") as info:
+        h.fetch("nf", dst, bad)
+    assert "dtype" in str(info.value) or "at index" in str(info.value)
+    assert all(torch.count_nonzero(c) == 0 for c in dst)  # nothing written
+    h.fetch("nf", dst, [4, 5, 6])  # the request was not consumed
+    for c_src, c_dst in zip(src, dst, strict=True):
+        assert torch.equal(c_dst[:, [4, 5, 6]], c_src[:, [1, 2, 3]])
+
+
+def test_fetching_twice_says_already_fetched(hstore):
+    h = KVHandoff(hstore, LAYOUT, chunk_blocks=2)
+    h.publish("twice", child.caches(8), [1, 2], num_tokens=2 * BS).wait()
+    h.fetch("twice", zeros(8), [3, 4])
+    with pytest.raises(kvstore.HandoffAbortedError, match="already fetched") as info:
+        h.fetch("twice", zeros(8), [3, 4], timeout=2.0)
+    assert "went away" not in str(info.value)

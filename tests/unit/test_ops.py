@@ -309,10 +309,11 @@ def test_rejects_unsupported_device(setup):
 @pytest.mark.parametrize("bad,error,message", [
     ([1, 5, 2], TypeError, "block_ids must be a torch.Tensor of int32/int64, got list"),
     (torch.tensor([1.0, 5.0, 2.0]), TypeError, "expected dtype torch.int32 or torch.int64, got torch.float32"),
+    (torch.tensor([True, False, True]), TypeError, "expected dtype torch.int32 or torch.int64, got torch.bool"),
     (torch.tensor([[1, 5, 2]]), ValueError, r"expected a 1-D tensor, got shape \(1, 3\)"),
     (torch.tensor([1, 8, 2]), ValueError, r"block_ids\[1\] = 8 is out of range: expected 0 <= id < 8"),
     (torch.tensor([1, 5, -1], dtype=torch.int32), ValueError, r"block_ids\[2\] = -1 is out of range"),
-], ids=["list", "float", "2d", "too-big", "negative"])
+], ids=["list", "float", "bool", "2d", "too-big", "negative"])
 def test_rejects_bad_block_ids(setup, bad, error, message):
     layout, caches, _, out = setup
     with pytest.raises(error, match=message):

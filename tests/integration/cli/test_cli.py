@@ -197,3 +197,33 @@ def test_serve_bad_capacity():
     proc = kv("serve", "--listen", "unix:///tmp/kvstore-test-bad-cap.sock", "--capacity", "lots")
     assert proc.returncode == 2
     assert "lots" in text(proc)[1] and "Traceback" not in text(proc)[1]
+
+
+def test_ls_escapes_control_characters_in_keys(daemon):
+    keys = {"esc/\x1b[2Jwiped": "esc/\\x1b[2Jwiped", "esc/line\nforged": "esc/line\\nforged",
+            "esc/rtl\u202eevil": "esc/rtl\\u202eevil", "esc/caf\u00e9": "esc/caf\u00e9",
+            "esc/back\\slash": "esc/back\\\\slash"}
+    with daemon.connect("shm") as s:
+        for key in keys:
+            s.put(key, b"x")
+        try:
+            proc = kv("ls", "esc/", "--url", daemon.unix_url)
+            out, err = text(proc)
+            assert proc.returncode == 0, err
+            assert "\x1b" not in out and "\u202e" not in out
+            assert sorted(out.splitlines()) == sorted(keys.values()), out
+        finally:
+            for key in keys:
+                s.remove(key)
+
+
+def test_serve_cluster_without_the_cluster_extra_names_the_extra(files):
+    """Without the redis client, --cluster says which extra to install (no ModuleNotFoundError traceback)."""
+    sock = os.path.join(files, "nocluster.sock")
+    code = ("import sys; sys.modules['redis'] = None\n"  # what an install without the extra looks like
+            "from kvstore.cli.main import main\n"
+            f"sys.exit(main(['serve', '--listen', 'unix://{sock}', '--cluster', 'redis://127.0.0.1:1/0']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=child_env())
+    assert proc.returncode == 2, proc.stderr
+    assert "kvstore[cluster]" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not os.path.exists(sock)

@@ -709,3 +709,28 @@ def test_auto_transport_picks_shm_on_the_same_host(daemon, which):
         s.put("auto/x", b"a" * 100_000)
         assert bytes(s.get("auto/x")) == b"a" * 100_000
         assert s.remove("auto/x")
+
+
+def test_zero_copy_get_contract_per_transport(store, store_kind, prefix):
+    """As KVStore.get documents: where memory is mapped (embedded, shm) copy=False holds a lease, so the
+    object cannot be removed meanwhile; over tcp it is a private copy with no lease, removable at once. The
+    bytes never change under the holder either way, and store.lease pins the object on every transport."""
+    k = prefix + "zc"
+    value = rand_bytes(300_000, 7)
+    store.put(k, value)
+    base = store.stats()["leases"]
+    with store.get(k, copy=False) as obj:
+        leased = store.stats()["leases"] - base
+        if store_kind == "daemon-tcp":
+            assert leased == 0
+            assert store.remove(k)  # no lease: removable, and the copy stays valid
+            store.put(k, rand_bytes(300_000, 8))
+        else:
+            assert leased == 1
+            with pytest.raises(kvstore.ObjectBusyError):
+                store.evict(k)
+        assert bytes(obj) == value
+    with store.lease(k):
+        with pytest.raises(kvstore.ObjectBusyError):
+            store.evict(k)
+    store.remove(k)

@@ -30,7 +30,7 @@ if shutil.which("redis-server") is None:
     pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)", allow_module_level=True)
 
 import handoff_child  # noqa: E402
-from conftest import HELPERS, Daemon, child_env, free_port, short_tmpdir, wait_until  # noqa: E402
+from conftest import HELPERS, Daemon, child_env, free_port, session_token_file, short_tmpdir, wait_until  # noqa: E402
 
 from kvstore.cluster.config import ClusterConfig, sentinel_parts  # noqa: E402
 from kvstore.cluster.directory import decode_entry, encode_entry  # noqa: E402
@@ -481,7 +481,8 @@ def test_redis_auth_passes_through_the_url():
                 kvstore.connect(f"kvcluster://:wrong@127.0.0.1:{c.redis.port}/0", timeout=2)
             bad = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--listen",
                                   f"tcp://127.0.0.1:{free_port()}", "--cluster",
-                                  f"redis://:wrong@127.0.0.1:{c.redis.port}/0", "--node-id", "D"],
+                                  f"redis://:wrong@127.0.0.1:{c.redis.port}/0", "--node-id", "D",
+                                  "--token-file", session_token_file()],
                                  capture_output=True, text=True, timeout=60, env=child_env(), cwd=workdir)
             assert bad.returncode == 2 and "refused the credentials" in bad.stderr, bad.stderr[-2000:]
         finally:

@@ -124,7 +124,7 @@ def raw(served):
         c = RawClient(url or served.tcp_url)
         clients.append(c)
         if hello:
-            c.hello(**fields)
+            c.hello(**{**served.hello_auth(), **fields})
         return c
 
     yield make
@@ -207,7 +207,7 @@ def test_frame_over_the_maximum_closes_the_connection(raw, length):
 
 def test_frame_at_the_maximum_is_accepted(raw):
     c = raw()
-    filler = "x" * (wire.MAX_FRAME - 200)
+    filler = ["x" * 16000] * ((wire.MAX_FRAME - 200) // 16003)  # strs and lists within the decode limits
     message = {"v": 1, "id": 9, "op": "ping", "pad": filler}  # unknown field, but framing is fine
     body = msgpack.packb(message)
     assert len(body) <= wire.MAX_FRAME
@@ -215,6 +215,28 @@ def test_frame_at_the_maximum_is_accepted(raw):
     assert_error(c.reply(), "InvalidArgument", "pad", rid=9)
     assert_usable(c)
 
+
+
+def test_large_frame_before_hello_is_refused(raw):
+    """An unauthenticated peer may send small frames only: the daemon does not buffer a megabyte for it."""
+    c = raw(hello=False)
+    c.send(struct.pack("<I", wire.MAX_PREAUTH_FRAME + 1) + b"\x80" * 100)
+    reply = c.reply()
+    if reply != CLOSED:
+        assert_error(reply, "Protocol", str(wire.MAX_PREAUTH_FRAME), "authentication")
+        assert c.is_closed()
+    assert_usable(raw())
+
+
+def test_frame_of_a_million_empty_arrays_is_refused(raw):
+    """Bounded decode work: a frame that is nothing but containers gets a Protocol error, not 0.3 s of the loop."""
+    c = raw()
+    bomb = {"v": 1, "id": 9, "op": "ping", "pad": [[[]] * 4000 for _ in range(200)]}
+    c.send(raw_frame(bomb))
+    reply = c.reply()
+    if reply != CLOSED:
+        assert_error(reply, "Protocol", "arrays and maps")
+    assert_usable(raw())
 
 # ---- bad requests in good frames ------------------------------------------------------------------------
 BAD_REQUESTS = {
@@ -257,6 +279,7 @@ BAD_REQUESTS = {
     # declared in the one schema, served by cluster members only
     "cluster-op-on-a-single-daemon": ({"v": 1, "id": 7, "op": "peer_get", "key": "sentinel/small", "mode": "stream"},
                                       "Protocol", ["peer_get", "not served"]),
+    "mixed-field-names": ({"v": 1, "id": 7, "op": "ping", b"op": "ping", "z": 1}, "InvalidArgument", ["str"]),
 }
 
 
@@ -285,7 +308,7 @@ def stream_put(c: RawClient, key, size, payload: bytes | None = None, **override
 
 @pytest.mark.parametrize("case", ["meta-key-mismatch", "meta-size-mismatch", "meta-not-map", "meta-bad-field",
                                   "if-absent-str", "empty-key", "bad-utf8-key", "long-key", "unknown-field",
-                                  "key-exists"])
+                                  "key-exists", "meta-object-dtype", "meta-shape-not-size", "meta-structured"])
 def test_bad_stream_put_payload_is_skipped(raw, served, case):
     """The request is refused, the payload that follows is skipped, and the connection stays usable."""
     c = raw()
@@ -302,6 +325,12 @@ def test_bad_stream_put_payload_is_skipped(raw, served, case):
         overrides["meta"] = [1, 2]
     elif case == "meta-bad-field":
         overrides["meta"] = {**put_meta(key, size), "shape": ["x"]}
+    elif case == "meta-object-dtype":  # a consumer's .numpy() would read pointers out of these bytes
+        overrides["meta"] = {**put_meta(key, size), "kind": "numpy", "dtype": "|O", "shape": [size // 8]}
+    elif case == "meta-shape-not-size":
+        overrides["meta"] = {**put_meta(key, size), "kind": "numpy", "dtype": "<f4", "shape": [size]}
+    elif case == "meta-structured":
+        overrides["meta"] = {**put_meta(key, size), "kind": "numpy", "dtype": "i4,i4", "shape": [size // 8]}
     elif case == "if-absent-str":
         overrides["if_absent"] = "yes"
     elif case == "empty-key":
@@ -396,9 +425,10 @@ def test_op_before_hello(raw):
                                          ({"transport": 5}, "InvalidArgument"),
                                          ({"pid": -3}, "InvalidArgument"),
                                          ({"client": ["x"]}, "InvalidArgument")])
-def test_bad_hello(raw, fields, code):
+def test_bad_hello(raw, served, fields, code):
     c = raw(hello=False)
-    reply = c.call({"op": "hello", "client": "raw", "transport": "tcp", "host": host_id(), **fields})
+    reply = c.call({"op": "hello", "client": "raw", "transport": "tcp", "host": host_id(), **served.hello_auth(),
+                    **fields})
     assert_error(reply, code)
 
 
@@ -477,7 +507,7 @@ def test_socket_and_segments_are_private(served):
 
 
 def run_refused_daemon(*listen: str) -> tuple[int, str, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--capacity", "4MiB",
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--capacity", "4MiB", "--insecure",
                              *[arg for url in listen for arg in ("--listen", url)]],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     out, _ = proc.communicate(timeout=30)

@@ -189,7 +189,8 @@ def test_silent_client_is_dropped(daemon_factory):
         sock.connect(d.unix_path)
         try:
             for i, msg in enumerate([
-                    {"op": "hello", "client": "silent", "transport": "shm", "host": host_id(), "pid": os.getpid()},
+                    {"op": "hello", "client": "silent", "transport": "shm", "host": host_id(), "pid": os.getpid(),
+                     **d.hello_auth()},
                     {"op": "lease", "key": "held"},
                     {"op": "put", "key": "never", "size": MiB, "meta": ObjectMeta(key="never", size=MiB).to_wire(),
                      "mode": "region"}]):

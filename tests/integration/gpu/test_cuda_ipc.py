@@ -424,12 +424,13 @@ def test_fake_writer_gone_before_commit_leaves_nothing(fake_daemon):
     put = {"op": "cuda_put", "key": "half", "size": MiB, "meta": meta}
     with d.connect("shm") as watcher:
         conn = Connection(Endpoint.parse(d.unix_url), 10.0)
-        conn.call({"op": "hello", "transport": "shm", "host": host_id()})
+        conn.call({"op": "hello", "transport": "shm", "host": host_id(), **d.hello_auth()})
         with pytest.raises(TransportError, match="need the cuda_ipc transport"):
             conn.call(put)
         conn.close()
         conn = Connection(Endpoint.parse(d.unix_url), 10.0)
-        conn.call({"op": "hello", "transport": "cuda_ipc", "host": host_id(), "transports": ["cuda_ipc"]})
+        conn.call({"op": "hello", "transport": "cuda_ipc", "host": host_id(), "transports": ["cuda_ipc"],
+                   **d.hello_auth()})
         reply = conn.call(put)
         assert reply["tier"] == "gpu" and watcher.stats()["pending"] == 1
         conn.close()  # gone without committing

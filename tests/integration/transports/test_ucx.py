@@ -310,3 +310,76 @@ def test_registry_without_ucxx_says_how_to_install_it():
     assert out.returncode == 0, out.stderr
     assert "['shm', 'tcp']" in out.stdout
     assert "UNAVAILABLE transport 'ucx' is unavailable" in out.stdout and "pip install" in out.stdout
+
+
+# ---- what the UCX listener answers ----------------------------------------------------------------------
+def _non_loopback_address() -> str | None:
+    import ipaddress
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+    except OSError:
+        infos = []
+    for info in infos:
+        if not ipaddress.ip_address(info[4][0]).is_loopback:
+            return info[4][0]
+    for target in ("10.254.254.254", "192.0.2.1"):  # no packet is sent: connect() only picks an interface
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect((target, 9))
+            except OSError:
+                continue
+            addr = probe.getsockname()[0]
+            if not ipaddress.ip_address(addr).is_loopback:
+                return addr
+    return None
+
+
+class _RecordingChannel:
+    timeout = 3.0
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def call(self, request: dict, **kw) -> dict:
+        self.calls.append(request)
+        return {"ok": True}
+
+
+@needs_ucx
+def test_listener_on_loopback_refuses_connections_to_other_addresses(ucx_daemon):
+    """--listen ucx://127.0.0.1:P serves 127.0.0.1 only, although ucxx itself listens on every interface."""
+    import re
+
+    from kvstore.transports.base import TransportFailure
+    from kvstore.transports.ucx import UcxTransport
+
+    other = _non_loopback_address()
+    if other is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    found = re.search(r"UCX data endpoint on port (\d+)", ucx_daemon.log())
+    assert found, ucx_daemon.log()
+    port = int(found.group(1))
+    client = UcxTransport(connect="listener")
+    channel = _RecordingChannel()
+    client.timeout = 3.0
+    try:
+        with pytest.raises(TransportFailure):
+            client._open_endpoint(channel, {"via": "listener", "host": other, "port": port})
+    finally:
+        client.close()
+    assert channel.calls == [], "the daemon's listener answered a connection to a non-loopback address"
+    assert wait_until(lambda: f"refused a UCX connection to {other}" in ucx_daemon.log(), 10), ucx_daemon.log()
+    with ucx_daemon.connect("ucx") as s:  # the loopback address it was given still works, by the listener too
+        s.put("after-refusal", pattern(2 * MiB))
+        s.remove("after-refusal")
+
+
+@needs_ucx
+def test_ucx_listener_needs_a_token_like_tcp(short_dir):
+    proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--capacity", "4MiB", "--listen",
+                           f"unix://{short_dir}/u.sock", *UCX_ARGS], capture_output=True, text=True, timeout=60,
+                          cwd=short_dir, env={**__import__("conftest").child_env()})
+    assert proc.returncode != 0
+    assert "ucx://127.0.0.1:0" in proc.stderr and "token" in proc.stderr, proc.stderr

@@ -34,5 +34,5 @@ def test_handlers_are_the_subclass_overrides():
 def test_building_a_cluster_daemon_leaves_the_schema_alone():
     before = copy.copy(wire.SCHEMA)
     cfg = ClusterConfig(redis_url="redis://127.0.0.1:1/0", node_id="n1", advertise="tcp://127.0.0.1:1")
-    ClusterServer(ServerConfig(listen=("tcp://127.0.0.1:1",)), cfg)
+    ClusterServer(ServerConfig(listen=("tcp://127.0.0.1:1",), token="t"), cfg)
     assert wire.SCHEMA == before

@@ -28,6 +28,38 @@ def test_malformed(body):
         wire.decode(body)
 
 
+def test_decode_bounds_structure_to_what_the_schema_allows():
+    with pytest.raises(ProtocolError, match="arrays and maps"):
+        wire.decode(msgpack.packb(req(op="ping", pad=[[[]] * 4000 for _ in range(16)])))
+    with pytest.raises(ProtocolError):
+        wire.decode(msgpack.packb(req(op="ping", pad=[0] * (2 * 4096 + 1))))
+    with pytest.raises(ProtocolError):
+        wire.decode(msgpack.packb(req(op="ping", pad="x" * (4 * 4096 + 1))))
+    with pytest.raises(ProtocolError):
+        wire.decode(msgpack.packb(req(op="ping", pad=msgpack.ExtType(1, b"x"))))
+    # the largest legitimate request still decodes
+    keys = ["k" * 200] * 4096
+    assert wire.decode(msgpack.packb(req(op="batch_exists", keys=keys)))["keys"] == keys
+    # replies (from the daemon the client authenticated) may be larger
+    assert len(wire.decode(msgpack.packb(req(ok=True, value=["k"] * 20000)), wire.REPLY_LIMITS)["value"]) == 20000
+
+
+def test_preauth_frame_limit():
+    header = (wire.MAX_PREAUTH_FRAME + 1).to_bytes(4, "little")
+    assert wire.frame_length(header) == wire.MAX_PREAUTH_FRAME + 1
+    with pytest.raises(ProtocolError, match="before authentication"):
+        wire.frame_length(header, wire.MAX_PREAUTH_FRAME)
+
+
+def test_mixed_str_and_bytes_field_names_are_an_argument_error():
+    with pytest.raises(InvalidArgumentError, match="str"):
+        wire.validate({"v": 1, "id": 1, "op": "ping", b"x": 1})
+    message = wire.decode(msgpack.packb({"v": 1, "id": 1, "op": "exists", "key": "a", b"key": "b"},
+                                        use_bin_type=True))
+    with pytest.raises(InvalidArgumentError):
+        wire.validate(message)
+
+
 def test_validate_ok_and_defaults():
     op, rid, f = wire.validate(req(op="get", key="a", mode="stream"))
     assert (op, rid, f) == ("get", 1, {"key": "a", "mode": "stream"})
