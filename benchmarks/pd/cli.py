@@ -13,11 +13,14 @@ from benchmarks.pd.admission import AdmissionKind
 from benchmarks.pd.compare import CompareConfig, Source, compare
 from benchmarks.pd.deployment import Arch, DeploymentConfig, run
 from benchmarks.pd.fault import FaultSpec
+from benchmarks.pd.make_model import add_parser as add_make_model_parser
+from benchmarks.pd.make_model import main_make_model
 from benchmarks.pd.metrics import Slo
 from benchmarks.pd.model import MODEL_PRESETS
 from benchmarks.pd.trace import Trace, TraceFormat, TraceScaling, Workload, generate, load_trace
 from benchmarks.pd.transfer import Transport
 from benchmarks.pd.validate import add_validate_parser, main_validate
+from benchmarks.pd.vllm_cli import add_vllm_args, vllm_compare_config
 
 
 def _positive_float(text: str) -> float:
@@ -39,14 +42,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--handoff-keys", choices=["prefix", "request"], default="prefix",
                    help="disaggregated: chunk keys chained over the prompt's tokens, or scoped to the request")
     e = p.add_argument_group("engine")
-    e.add_argument("--model", choices=sorted(MODEL_PRESETS), default="default")
+    e.add_argument("--model", default=None,
+                   help=f"--engine tiny: a preset {sorted(MODEL_PRESETS)} (default 'default'); --engine vllm: a "
+                        f"model directory (default: `make-model` defaults, built into OUT/model)")
     e.add_argument("--workers", type=_positive_int, default=2, help="engine workers (equal in every arch)")
     e.add_argument("--prefill-workers", type=_positive_int, default=1, help="disaggregated: prefill-only workers")
     e.add_argument("--threads-per-worker", type=_positive_int, default=1)
     e.add_argument("--chunk-budget", type=_positive_int, default=256, help="chunked: tokens per step")
     e.add_argument("--prefill-batch-tokens", type=_positive_int, default=1024)
     e.add_argument("--num-blocks", type=_positive_int, default=4096, help="KV blocks per worker")
-    e.add_argument("--block-size", type=_positive_int, default=16)
+    e.add_argument("--block-size", type=_positive_int, help="tokens per KV block (default: tiny 16, vllm 128)")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty())
 
 
@@ -77,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     p.add_argument("--inline", action="store_true", help="all workers in this process, embedded store")
     add_compare_parser(sub)
+    add_make_model_parser(sub)
     add_validate_parser(sub)
     return parser
 
@@ -105,8 +111,11 @@ def add_compare_parser(sub) -> None:
                    help="repeat a run whose worker got < --starved-share of a core while busy (shared machines)")
     c.add_argument("--starved-share", type=_positive_float, default=0.5)
     c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--engine", choices=["tiny", "vllm"], default="tiny",
+                   help="tiny: this package's small engine; vllm: real vLLM instances (CPU) and KVStoreConnector")
     _add_scaling_args(c, "trace files only; built-in workloads are sized for this engine")
     _add_engine_args(c)
+    add_vllm_args(c)
 
 
 def _scaling(args: argparse.Namespace) -> TraceScaling:
@@ -125,17 +134,21 @@ def _trace(args: argparse.Namespace, vocab_size: int) -> Trace:
     return load_trace(args.trace, fmt=fmt, num_requests=args.num_requests, **common)
 
 
-def _compare_config(args: argparse.Namespace) -> CompareConfig:
-    scaling = _scaling(args)
+def _sources_archs(args: argparse.Namespace) -> tuple[tuple[Source, ...], tuple[Arch, ...]]:
     workloads = [w for w in args.workloads.split(",") if w.strip()]
     try:
         sources = [Source(workload=Workload(w.strip())) for w in workloads]
         archs = tuple(Arch(a.strip()) for a in args.archs.split(",") if a.strip())
     except ValueError as exc:
         raise ValueError(f"{exc}; workloads: {[w.value for w in Workload]}, archs: {[a.value for a in Arch]}") from None
-    sources += [Source.parse_trace(t, scaling) for t in args.trace]
+    sources += [Source.parse_trace(t, _scaling(args)) for t in args.trace]
+    return tuple(sources), archs
+
+
+def _compare_config(args: argparse.Namespace) -> CompareConfig:
+    sources, archs = _sources_archs(args)
     return CompareConfig(
-        sources=tuple(sources), out_dir=args.out, engine=_config(args, Arch.COLOCATED), archs=archs,
+        sources=sources, out_dir=args.out, engine=_config(args, Arch.COLOCATED), archs=archs,
         num_requests=args.num_requests, seed=args.seed, rate_scale=args.rate_scale,
         slo=Slo(args.slo_ttft, args.slo_tpot, args.slo_attainment), admission=AdmissionKind(args.admission),
         fault=FaultSpec.parse(args.inject_fault) if args.inject_fault else None, progress=args.progress,
@@ -143,10 +156,13 @@ def _compare_config(args: argparse.Namespace) -> CompareConfig:
 
 
 def _config(args: argparse.Namespace, arch: Arch) -> DeploymentConfig:
-    model = dataclasses.replace(MODEL_PRESETS[args.model], seed=args.seed)
+    preset = args.model or "default"
+    if preset not in MODEL_PRESETS:
+        raise ValueError(f"--model {preset!r}: the tiny engine's presets are {sorted(MODEL_PRESETS)}")
+    model = dataclasses.replace(MODEL_PRESETS[preset], seed=args.seed)
     return DeploymentConfig(
         arch=arch, model=model, num_workers=args.workers, prefill_workers=args.prefill_workers,
-        threads_per_worker=args.threads_per_worker, num_blocks=args.num_blocks, block_size=args.block_size,
+        threads_per_worker=args.threads_per_worker, num_blocks=args.num_blocks, block_size=args.block_size or 16,
         chunk_budget=args.chunk_budget, prefill_batch_tokens=args.prefill_batch_tokens,
         transport=Transport(args.transport), inline=getattr(args, "inline", False),
         handoff_prefix_keys=args.handoff_keys == "prefix",
@@ -179,6 +195,8 @@ def _report(summary: dict, out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "make-model":
+        return main_make_model(args)
     if args.command == "compare":
         return _main_compare(parser, args)
     if args.command == "validate-planner":
@@ -197,10 +215,19 @@ def _main_compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     from benchmarks.pd.report import table
 
     try:
-        cfg = _compare_config(args)
+        if args.engine == "vllm":
+            sources, archs = _sources_archs(args)
+            cfg = vllm_compare_config(args, sources, archs)
+        else:
+            cfg = _compare_config(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    doc = compare(cfg)
+    if args.engine == "vllm":
+        from benchmarks.pd.vllm_compare import compare_vllm
+
+        doc = compare_vllm(cfg)
+    else:
+        doc = compare(cfg)
     head, rows = table(doc)
     keep = [head.index(h) for h in ("workload", "arch", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms",
                                     "KV moved MiB", "goodput req/s", "meets SLO")]
@@ -209,5 +236,7 @@ def _main_compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         print("  ".join(f"{row[i]:<22}" for i in keep))
     for workload, v in doc["verdicts"].items():
         print(f"\n[{workload}] {v['text']}")
+    for workload, o in doc.get("outputs", {}).items():
+        print(f"[{workload}] greedy outputs identical across architectures: {o['identical']}")
     print(f"\n-> {args.out / 'summary.json'}, {args.out / 'report.md'}, {args.out / 'report.html'}")
     return 0

@@ -1,0 +1,46 @@
+"""The ``compare --engine vllm`` options and their configuration (cli.py stays the small engine's)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks.pd.deployment import Arch
+from benchmarks.pd.fault import FaultSpec
+from benchmarks.pd.make_model import LlamaShape, make_model
+from benchmarks.pd.metrics import Slo
+from benchmarks.pd.vllm_compare import VllmCompareConfig
+from benchmarks.pd.vllm_deployment import VllmConfig
+from kvstore.units import parse_size
+
+
+def add_vllm_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--engine vllm")
+    g.add_argument("--max-model-len", type=int, default=4096, help="tokens per request (prompt + output)")
+    g.add_argument("--kv-cache-size", default="256MiB", help="KV cache per vLLM instance")
+    g.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    g.add_argument("--cores", default="0,1", help="the two cores the two instances are bound to")
+
+
+def _cores(text: str) -> tuple[int, int]:
+    try:
+        cores = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        cores = ()
+    if len(cores) != 2 or min(cores) < 0:
+        raise ValueError(f"--cores wants two core ids like 0,1, got {text!r}")
+    return cores  # type: ignore[return-value]
+
+
+def vllm_compare_config(args: argparse.Namespace, sources: tuple, archs: tuple[Arch, ...]) -> VllmCompareConfig:
+    """The comparison's configuration from ``compare --engine vllm`` arguments (ValueError on bad input)."""
+    model = args.model
+    if model is None:
+        model = str(make_model(LlamaShape(seed=args.seed, dtype=args.vllm_dtype), Path(args.out) / "model"))
+    engine = VllmConfig(model=model, block_size=args.block_size or 128, chunk_budget=args.chunk_budget,
+                        max_model_len=args.max_model_len, kv_cache_bytes=parse_size(args.kv_cache_size),
+                        dtype=args.vllm_dtype, transport=args.transport, cores=_cores(args.cores))
+    return VllmCompareConfig(sources=sources, out_dir=args.out, engine=engine, archs=archs,
+                             num_requests=args.num_requests, seed=args.seed, rate_scale=args.rate_scale,
+                             slo=Slo(args.slo_ttft, args.slo_tpot, args.slo_attainment),
+                             fault=FaultSpec.parse(args.inject_fault) if args.inject_fault else None)
