@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-
-from tests.conftest import child_env
+from conftest import child_env
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import Daemon, child_env, short_tmpdir, wait_until
 
 import kvstore
 from kvstore.errors import DiskReadError, KeyNotFoundError
-from tests.conftest import Daemon, child_env, short_tmpdir, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 KiB, MiB = 1024, 1 << 20
