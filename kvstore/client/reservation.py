@@ -8,7 +8,10 @@ write straight into it; elsewhere (tcp, ucx, a cluster) it is a client-side stag
 the ``with`` block, or this process dying — leaves nothing visible and frees the space.
 
 A filler that already knows a checksum (the xxh3-64 of exactly the object's bytes, e.g. computed while the
-bytes were in cache) passes it to ``commit``; otherwise it is computed at commit from the view.
+bytes were in cache) passes it to ``commit``; otherwise it is computed at commit from the view. Where the view
+is segment memory (embedded, shm) the given checksum is recorded as it is (a wrong one is caught by a
+``verify=True`` read); where staged bytes travel to a daemon (tcp), the daemon hashes them as they land and
+refuses a checksum they do not match (``ChecksumError``, nothing of the batch visible).
 """
 
 from __future__ import annotations

@@ -26,6 +26,17 @@ class Digest:
             self._value = checksum_of(self._view)
         return self._value
 
+    @property
+    def known(self) -> int | None:
+        """The digest if already computed (or given), else None; computes nothing."""
+        return self._value
+
+    def record(self, value: int) -> None:
+        """Take ``value`` as the digest: the receiver hashed the bytes as they arrived (the stream path)."""
+        if self._value is not None and self._value != value:
+            raise ValueError(f"digest {value:#x} recorded for a payload already hashed to {self._value:#x}")
+        self._value = value
+
     def copy_into(self, dst: memoryview) -> None:
         """Copy the payload into ``dst`` (same length), computing the digest in the same pass."""
         src = self._view

@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import xxhash
+
 from kvstore.core.master import describe_replica
 from kvstore.core.meta import ObjectMeta
 from kvstore.daemon.disk_ops import DiskOps
@@ -26,6 +28,7 @@ from kvstore.daemon.quarantine import MAPS_MEMORY, PidWatch, peer_cred
 from kvstore.daemon.ucx_ops import UcxOps
 from kvstore.errors import (
     AuthenticationError,
+    ChecksumError,
     InvalidArgumentError,
     KVStoreError,
     ObjectTooLargeError,
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.daemon.server")
 _BUFFER = 64 << 10
 _INLINE_REPLY = 64 << 10  # stream replies up to this size go out in one send with their header
+#: a streamed put is received (and hashed) in pieces this big: each is hashed right after it lands, while in cache
+_HASH_PIECE = 256 << 10
 
 
 Handler = Callable[[int, dict], Awaitable[dict | None]]  # (request id, validated fields) -> reply or None
@@ -105,18 +110,24 @@ class Session(GpuOps, UcxOps, DiskOps, SessionGuards):
         finally:
             body.release()
 
-    async def _read_into(self, view: memoryview) -> None:
-        """Receive exactly len(view) payload bytes: buffered ones first, then straight from the socket."""
+    async def _read_into(self, view: memoryview, hasher: xxhash.xxh3_64 | None = None) -> None:
+        """Receive exactly len(view) payload bytes: buffered ones first, then straight from the socket. With
+        ``hasher``, each piece is hashed right after it lands, while it is still in cache (no second pass)."""
         take = min(len(view), self._end - self._start)
         view[:take] = self._buf[self._start:self._start + take]
         self._start += take
         got = take
+        if hasher is not None and take:
+            hasher.update(view[:take])
         self.transfer_begins()
         try:
             while got < len(view):
-                n = await self.loop.sock_recv_into(self.sock, view[got:])
+                piece = view[got:got + _HASH_PIECE] if hasher is not None else view[got:]
+                n = await self.loop.sock_recv_into(self.sock, piece)
                 if n == 0:
                     raise _Closed(f"peer closed after {got} of {len(view)} payload bytes")
+                if hasher is not None:
+                    hasher.update(view[got:got + n])
                 got += n
                 self.transfer_moved()
         finally:
@@ -300,19 +311,25 @@ class Session(GpuOps, UcxOps, DiskOps, SessionGuards):
             return self._ok(rid, put_id=replica.id, segment=replica.segment, offset=replica.offset)
         if f["mode"] == "ucx":
             return self._ucx_put_reply(rid, replica)
+        hasher = xxhash.xxh3_64()
         try:
             region = self.segments[replica.segment].view(replica.offset, meta.size)
             self._unread_payload = False
-            await self._read_into(region)
+            await self._read_into(region, hasher)
             region.release()
+            checksum = hasher.intdigest()
+            if f["checksum"] is not None and f["checksum"] != checksum:
+                raise ChecksumError(f"put of {meta.key!r}: the {meta.size} bytes received hash to {checksum:#x}, "
+                                    f"the client sent {f['checksum']:#x}; nothing was stored")
         except BaseException:
             if self.client is not None:
                 master.abort(replica.id)
             raise
+        replica.meta = replace(replica.meta, checksum=checksum)  # what landed is what is recorded
         self.metrics.bytes_in(meta.size)
         if f["defer"]:
-            return self._ok(rid, put_id=replica.id)
-        return self._committed(rid, master.commit(replica.id))
+            return self._ok(rid, put_id=replica.id, checksum=checksum)
+        return self._committed(rid, master.commit(replica.id), checksum=checksum)
 
     async def op_commit(self, rid: int, f: dict) -> dict:
         master = self.master
@@ -332,8 +349,8 @@ class Session(GpuOps, UcxOps, DiskOps, SessionGuards):
         replicas = master.commit_many(f["put_ids"], f["checksums"])
         return self._ok(rid, versions=[r.meta.version for r in replicas], created=[r.meta.created for r in replicas])
 
-    def _committed(self, rid: int, replica) -> dict:
-        return self._ok(rid, version=replica.meta.version, created=replica.meta.created)
+    def _committed(self, rid: int, replica, **fields: Any) -> dict:
+        return self._ok(rid, version=replica.meta.version, created=replica.meta.created, **fields)
 
     async def op_abort(self, rid: int, f: dict) -> dict:
         if self.master.pending(f["put_id"]).client != self.client:

@@ -41,6 +41,15 @@ class PayloadDigest(Protocol):
         """Copy the payload into ``dst`` and compute the digest in the same pass (while the bytes are in cache)."""
         ...
 
+    @property
+    def known(self) -> int | None:
+        """The digest if already computed, else None (computes nothing)."""
+        ...
+
+    def record(self, value: int) -> None:
+        """Take the digest the receiver computed as the bytes arrived."""
+        ...
+
 
 class Transport(Protocol):
     """Client side of one data path."""

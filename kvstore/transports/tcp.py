@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
-from kvstore.transports.base import Channel, TransportFailure, register
+from kvstore.transports.base import Channel, PayloadDigest, TransportFailure, register
 
 #: socket buffer size asked for on data connections; large payloads move in fewer system calls
 SOCKET_BUFFER = 4 << 20
@@ -43,8 +43,13 @@ class StreamTransport:
     def __init__(self, segments: dict | None = None):
         del segments  # the stream path never maps daemon memory
 
-    def put(self, channel: Channel, request: dict, src: memoryview, checksum: Callable[[], int]) -> dict:
-        return channel.call({**request, "mode": "stream", "checksum": checksum()}, payload=src)
+    def put(self, channel: Channel, request: dict, src: memoryview, checksum: PayloadDigest) -> dict:
+        # No hashing pass here: the daemon hashes the payload as it lands (each piece while in its cache) and
+        # replies with the digest. A digest the caller already has goes along and the daemon checks it.
+        reply = channel.call({**request, "mode": "stream", "checksum": checksum.known}, payload=src)
+        if reply.get("checksum") is not None:
+            checksum.record(reply["checksum"])
+        return reply
 
     def get_into(self, channel: Channel, request: dict, dst: Callable[[dict], memoryview]) -> dict:
         return channel.call({**request, "mode": "stream"}, into=dst)

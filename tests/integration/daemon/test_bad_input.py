@@ -16,6 +16,7 @@ import sys
 import msgpack
 import numpy as np
 import pytest
+import xxhash
 from conftest import MiB, child_env, free_port, shm_segments, wait_until
 
 import kvstore
@@ -366,6 +367,45 @@ def test_put_larger_than_capacity(raw, served):
     assert_usable(shm)  # nothing follows a region put: the connection stays usable
     with served.connect("tcp") as s:
         assert not s.exists("toolarge")
+
+
+@pytest.mark.parametrize("size", [100, 200_000, 3 * MiB])  # inline, streamed, streamed in many pieces
+def test_stream_put_whose_bytes_do_not_match_its_checksum_is_refused(raw, served, size):
+    """The daemon hashes a streamed payload as it lands: a checksum the client sent that the bytes do not match
+    (corrupted on the way) stores nothing, and the previous version stays readable."""
+    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    key = f"badsum/{size}"
+    with served.connect("tcp") as s:
+        s.put(key, b"previous")
+    c = raw()
+    rid = stream_put(c, key, size, payload, checksum=xxhash.xxh3_64_intdigest(payload) ^ 1)
+    assert_error(c.reply(), "Checksum", "nothing was stored", rid=rid)
+    assert_usable(c)
+    rid = stream_put(c, key, size, payload, checksum=xxhash.xxh3_64_intdigest(payload))  # the right one is taken
+    reply = c.reply()
+    assert reply["ok"] and reply["checksum"] == xxhash.xxh3_64_intdigest(payload), reply
+    with served.connect("tcp") as s:
+        assert bytes(s.get(key, verify=True)) == payload
+        s.remove(key)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_recorded_checksum_is_the_payloads_on_every_path(served, transport):
+    """Whoever hashes (the tcp client no longer does: the daemon hashes while receiving), the checksum that a
+    put returns and the daemon records is the xxh3 of the bytes stored, for single and batched puts."""
+    values = {f"sum/{transport}/{n}": np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+              for n in (0, 1, 5000, 70_000, 2 * MiB + 3)}
+    with served.connect(transport) as s:
+        for key, value in values.items():
+            assert s.put(key, value).checksum == xxhash.xxh3_64_intdigest(value)
+        metas = s.batch_put([(f"{key}/b", value) for key, value in values.items()])
+        assert [m.checksum for m in metas] == [xxhash.xxh3_64_intdigest(v) for v in values.values()]
+    with served.connect("shm") as reader:
+        for key, value in values.items():
+            for k in (key, f"{key}/b"):
+                assert int(reader.inspect(k)["checksum"], 16) == xxhash.xxh3_64_intdigest(value)
+                assert bytes(reader.get(k, verify=True)) == value
+                reader.remove(k)
 
 
 @pytest.mark.parametrize("size", [-1, "big", None, 2 ** 63])
