@@ -2,7 +2,8 @@
 compared against.
 
     python benchmarks/mooncake_baseline.py [--sizes 4KiB,1MiB,16MiB] [--modes tcp,local] [--json PATH]
-    python -m benchmarks.mooncake_baseline ...
+    python -m benchmarks.mooncake_baseline --batch CHUNK_SIZE [--counts 1,16,64] ...
+    python -m benchmarks.mooncake_baseline --handoff-blocks 1,16,64 [--block-bytes 2MiB] [--chunk-blocks 16] ...
 
 ``measure(sizes)`` never raises. Without a usable Mooncake (``pip install
 mooncake-transfer-engine-non-cuda``; its native libraries also need ``libibverbs.so.1``, from Debian's
@@ -17,6 +18,13 @@ loopback ports:
   ``register_buffer`` and times Mooncake's Python API: ``put_from`` and ``get_into`` (zero-copy from/into
   the registered buffer, the fastest paths), plain ``put`` (from a buffer) and plain ``get`` (returns
   ``bytes``). Every byte moves over Mooncake's TCP transport on 127.0.0.1.
+
+``measure_batches(chunk_size, counts)`` (``--batch``) times instead Mooncake's batch calls, the anchor of the
+hand-off benchmark: ``batch_put_from(keys, ptrs, sizes)`` and ``batch_get_into(keys, ptrs, sizes)`` of
+``count`` chunks laid out back to back in one registered buffer, one call per batch.
+``measure_handoff_batches(blocks)`` (``--handoff-blocks``) makes each batch the chunks ``KVHandoff.publish``
+stores for a request of that many blocks (Llama-3-8B: 2 MiB a block, 16 blocks a chunk, the last one partial).
+The bytes ``batch_get_into`` reads back are compared with those written; a mismatch fails the measurement.
 
 Mode ``local`` (opt-in) skips the holder: the client mounts the segment itself, so Mooncake copies with
 memcpy inside one process (its TCP-only auto-detection turns ``MC_STORE_MEMCPY`` on): the analogue of
