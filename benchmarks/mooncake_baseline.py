@@ -2,7 +2,8 @@
 compared against.
 
     python benchmarks/mooncake_baseline.py [--sizes 4KiB,1MiB,16MiB] [--modes tcp,local] [--json PATH]
-    python -m benchmarks.mooncake_baseline ...
+    python -m benchmarks.mooncake_baseline --batch CHUNK_SIZE [--counts 1,16,64] ...
+    python -m benchmarks.mooncake_baseline --handoff-blocks 1,16,64 [--block-bytes 2MiB] [--chunk-blocks 16] ...
 
 ``measure(sizes)`` never raises. Without a usable Mooncake (``pip install
 mooncake-transfer-engine-non-cuda``; its native libraries also need ``libibverbs.so.1``, from Debian's
@@ -17,6 +18,13 @@ loopback ports:
   ``register_buffer`` and times Mooncake's Python API: ``put_from`` and ``get_into`` (zero-copy from/into
   the registered buffer, the fastest paths), plain ``put`` (from a buffer) and plain ``get`` (returns
   ``bytes``). Every byte moves over Mooncake's TCP transport on 127.0.0.1.
+
+``measure_batches(chunk_size, counts)`` (``--batch``) times instead Mooncake's batch calls, the anchor of the
+hand-off benchmark: ``batch_put_from(keys, ptrs, sizes)`` and ``batch_get_into(keys, ptrs, sizes)`` of
+``count`` chunks laid out back to back in one registered buffer, one call per batch.
+``measure_handoff_batches(blocks)`` (``--handoff-blocks``) makes each batch the chunks ``KVHandoff.publish``
+stores for a request of that many blocks (Llama-3-8B: 2 MiB a block, 16 blocks a chunk, the last one partial).
+The bytes ``batch_get_into`` reads back are compared with those written; a mismatch fails the measurement.
 
 Mode ``local`` (opt-in) skips the holder: the client mounts the segment itself, so Mooncake copies with
 memcpy inside one process (its TCP-only auto-detection turns ``MC_STORE_MEMCPY`` on): the analogue of
@@ -49,6 +57,11 @@ DEFAULT_SIZES = [4 << 10, 1 << 20, 16 << 20]
 DISTRIBUTIONS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine",
                  "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine-efa-non-cuda")
 OPS = ("put_from", "put", "get_into", "get")
+BATCH_OPS = ("batch_put_from", "batch_get_into")
+# the hand-off's geometry (kvstore/handoff.py, benchmarks/bench_handoff.py): Llama-3-8B, 32 layers x K and V x
+# 8 KV heads x head_dim 128 x bf16 x block 16 = 2 MiB a block, KVHandoff's default 16 blocks (32 MiB) a chunk
+LLAMA3_8B_BLOCK_BYTES = 32 * 2 * 8 * 128 * 2 * 16
+HANDOFF_CHUNK_BLOCKS = 16
 PATH_NAME = {"tcp": "mooncake+tcp", "local": "mooncake+local"}
 START_TIMEOUT_S = 60.0
 CLIENT_TIMEOUT_S = 120.0  # per mode; the timed loops themselves stop at their budget long before
@@ -312,6 +325,20 @@ def row(result: dict, op: str, size: int, path: str = "mooncake+tcp") -> dict | 
 def _measure_mode(master: str, sizes: list[int], mode: str, op_budget: float) -> tuple[list[dict], dict]:
     biggest = max(sizes)
     segment = max(256 << 20, 4 * biggest + (64 << 20))
+    data, detail = _run_client(master, mode, segment, "_client",
+                               {"sizes": sizes, "op_budget_s": op_budget, "local_buffer": 2 * biggest + (16 << 20)})
+    # the client (a script, without the project on its path) reports raw times; statistics are made here
+    from benchmarks.common.timing import timing_of
+
+    rows = [{"path": PATH_NAME[mode], "op": r["op"], **timing_of(r["size"], r["times_s"]).as_dict()}
+            for r in data["rows"]]
+    detail["loopback_bytes_per_get_into"] = data.get("lo_bytes")
+    return rows, detail
+
+
+def _run_client(master: str, mode: str, segment: int, client_cmd: str, client_cfg: dict) -> tuple[dict, dict]:
+    """Start the master (and, in mode ``tcp``, the segment holder), run one client process (``client_cmd``
+    with ``client_cfg`` plus the addresses), stop everything; returns (the client's JSON output, details)."""
     with tempfile.TemporaryDirectory(prefix="mooncake-baseline-") as workdir:
         procs = _Procs(workdir)
         try:
@@ -323,13 +350,11 @@ def _measure_mode(master: str, sizes: list[int], mode: str, op_budget: float) ->
                 holder_cfg = os.path.join(workdir, "holder.json")
                 _write_json(holder_cfg, {**common, "local_buffer": 16 << 20})
                 _start_holder(procs, holder_cfg, env)
-            client_cfg, out = os.path.join(workdir, "client.json"), os.path.join(workdir, "out.json")
-            _write_json(client_cfg, {**common, "sizes": sizes, "out": out, "op_budget_s": op_budget,
-                                     "client_segment": segment if mode == "local" else 0,
-                                     "local_buffer": 2 * biggest + (16 << 20)})
+            cfg_path, out = os.path.join(workdir, "client.json"), os.path.join(workdir, "out.json")
+            _write_json(cfg_path, {**common, **client_cfg, "out": out,
+                                   "client_segment": segment if mode == "local" else 0})
             startup_s = time.monotonic() - t0
-            client = procs.start("client", [sys.executable, os.path.abspath(__file__), "_client", client_cfg],
-                                 env)
+            client = procs.start("client", [sys.executable, os.path.abspath(__file__), client_cmd, cfg_path], env)
             try:
                 client.wait(timeout=CLIENT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -341,15 +366,122 @@ def _measure_mode(master: str, sizes: list[int], mode: str, op_budget: float) ->
                 data = json.load(f)
         finally:
             procs.stop()
-    # the client (a script, without the project on its path) reports raw times; statistics are made here
-    from benchmarks.common.timing import timing_of
-
-    rows = [{"path": PATH_NAME[mode], "op": r["op"], **timing_of(r["size"], r["times_s"]).as_dict()}
-            for r in data["rows"]]
     detail = {"master_argv": master_argv, "startup_s": round(startup_s, 2), "segment_bytes": segment,
               "mc_env": {k: v for k, v in _child_env().items() if k.startswith("MC_")},
-              "client_setup_s": data.get("setup_s"), "loopback_bytes_per_get_into": data.get("lo_bytes")}
-    return rows, detail
+              "client_setup_s": data.get("setup_s")}
+    return data, detail
+
+
+# ---- batches: the hand-off's anchor ------------------------------------------------------------------
+def handoff_chunks(blocks: int, block_nbytes: int = LLAMA3_8B_BLOCK_BYTES,
+                   chunk_blocks: int = HANDOFF_CHUNK_BLOCKS) -> list[int]:
+    """Byte sizes of the chunks ``KVHandoff.publish`` stores for a request of ``blocks`` blocks: one per
+    ``chunk_blocks`` blocks, the last one holding the remainder. Raises ValueError for a count below 1."""
+    for name, v in (("blocks", blocks), ("block_nbytes", block_nbytes), ("chunk_blocks", chunk_blocks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return [min(chunk_blocks, blocks - b) * block_nbytes for b in range(0, blocks, chunk_blocks)]
+
+
+def measure_batches(chunk_size: int, counts: list[int], modes: tuple[str, ...] | list[str] = ("tcp",),
+                    time_budget_s: float = TIME_BUDGET_S) -> dict:
+    """Mooncake's ``batch_put_from`` and ``batch_get_into`` of ``count`` chunks of ``chunk_size`` bytes each,
+    from and into one registered buffer, for each count and mode: one call per batch, as a hand-off of
+    ``count`` chunks would make. Never raises (``available`` False and ``reason`` when it could not run).
+    Rows: ``path``, ``op`` (``batch_put_from``/``batch_get_into``), ``count``, ``chunk_size``, ``size`` (the
+    batch's bytes), ``p50_us``, ``p99_us``, ``gbps`` (size / p50), ``n``, ``verified`` (the bytes read back
+    by ``batch_get_into`` equal those ``batch_put_from`` wrote; a mismatch fails the measurement)."""
+    def batches() -> list[dict]:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+            raise ValueError(f"counts must be ints >= 1, got {counts!r}")
+        return [{"count": c, "chunk_sizes": [chunk_size] * c} for c in sorted(set(counts))]
+
+    return _measure_batch_list(batches, modes, time_budget_s)
+
+
+def measure_handoff_batches(blocks: list[int], block_nbytes: int = LLAMA3_8B_BLOCK_BYTES,
+                            chunk_blocks: int = HANDOFF_CHUNK_BLOCKS, modes: tuple[str, ...] | list[str] = ("tcp",),
+                            time_budget_s: float = TIME_BUDGET_S) -> dict:
+    """:func:`measure_batches` in the hand-off's geometry: for each request size in ``blocks``, one batch of
+    the chunks ``KVHandoff.publish`` would store (:func:`handoff_chunks`; the last chunk may be smaller).
+    Rows also carry ``blocks``; ``chunk_size`` is the largest chunk. Never raises."""
+    def batches() -> list[dict]:
+        if not blocks:
+            raise ValueError("blocks must name at least one request size")
+        return [{"blocks": b, "count": len(c), "chunk_sizes": c}
+                for b in sorted(set(blocks)) for c in [handoff_chunks(b, block_nbytes, chunk_blocks)]]
+
+    result = _measure_batch_list(batches, modes, time_budget_s)
+    result.update(block_nbytes=block_nbytes, chunk_blocks=chunk_blocks)
+    return result
+
+
+def batch_row(result: dict, op: str, *, count: int | None = None, blocks: int | None = None,
+              path: str = "mooncake+tcp") -> dict | None:
+    """The row of a batch result for ``op`` and ``count`` (measure_batches) or ``blocks``
+    (measure_handoff_batches)."""
+    for r in result.get("rows", []):
+        if (r["op"] == op and r["path"] == path and (count is None or r["count"] == count)
+                and (blocks is None or r.get("blocks") == blocks)):
+            return r
+    return None
+
+
+def _measure_batch_list(make_batches, modes, time_budget_s: float) -> dict:
+    t_start = time.monotonic()
+    result: dict = {"available": False, "reason": None, "package": None, "rows": [], "modes": list(modes),
+                    "batches": [], "loadavg_before": _loadavg()}
+    try:
+        try:
+            batches = make_batches()
+        except ValueError as e:
+            result["reason"] = f"bad arguments: {e}"
+            return result
+        result["batches"] = [{k: v for k, v in b.items() if k != "chunk_sizes"} | {"size": sum(b["chunk_sizes"])}
+                             for b in batches]
+        if bad := [m for m in modes if m not in PATH_NAME]:
+            result["reason"] = f"bad arguments: modes {bad} (known: {sorted(PATH_NAME)})"
+            return result
+        info = detect()
+        result["package"] = info["package"]
+        if not info["installed"]:
+            result["reason"] = info["reason"]
+            return result
+        op_budget = (time_budget_s - 5.0 * len(modes)) / (len(BATCH_OPS) * len(batches) * len(modes))
+        result["op_budget_s"] = round(max(0.3, min(OP_BUDGET_MAX_S, op_budget)), 2)
+        biggest = max(sum(b["chunk_sizes"]) for b in batches)
+        # one batch stays stored for the reads while a put batch is in flight; well under the 0.9 watermark
+        segment = max(256 << 20, 3 * biggest + (64 << 20))
+        details = {}
+        for mode in modes:
+            data, details[mode] = _run_client(info["master"], mode, segment, "_batch_client",
+                                              {"batches": batches, "op_budget_s": result["op_budget_s"],
+                                               "local_buffer": 16 << 20})
+            result["rows"].extend(_batch_rows(mode, batches, data["rows"]))
+        result["details"] = details
+        result["available"] = True
+    except Exception as e:  # a baseline must never take the caller's benchmark down
+        result["available"] = False
+        result["reason"] = f"{type(e).__name__}: {e}"
+    finally:
+        result["loadavg_after"] = _loadavg()
+        result["total_s"] = round(time.monotonic() - t_start, 2)
+    return result
+
+
+def _batch_rows(mode: str, batches: list[dict], raw: list[dict]) -> list[dict]:
+    from benchmarks.common.timing import timing_of
+
+    rows = []
+    for r in raw:
+        batch = batches[r["batch"]]
+        extra = {"blocks": batch["blocks"]} if "blocks" in batch else {}
+        rows.append({"path": PATH_NAME[mode], "op": r["op"], "count": batch["count"],
+                     "chunk_size": max(batch["chunk_sizes"]), **extra,
+                     **timing_of(sum(batch["chunk_sizes"]), r["times_s"]).as_dict(), "verified": r["verified"]})
+    return rows
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -501,6 +633,80 @@ def _client_main(cfg_path: str) -> int:
     return 0
 
 
+def _batch_client_main(cfg_path: str) -> int:
+    _die_with_parent()
+    import numpy as np
+
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    biggest = max(sum(b["chunk_sizes"]) for b in cfg["batches"])
+    t0 = time.perf_counter()
+    store = _new_store(cfg, cfg["client_segment"], cfg["local_buffer"])
+    setup_s = time.perf_counter() - t0
+    buf = np.empty(2 * biggest, dtype=np.uint8)  # [0, biggest): the chunks put; [biggest, 2 biggest): read into
+    buf[:] = 1  # pre-fault
+    if (rc := store.register_buffer(buf.ctypes.data, buf.nbytes)) != 0:
+        raise RuntimeError(f"register_buffer returned {rc}")
+    rows: list[dict] = []
+    try:
+        for k, batch in enumerate(cfg["batches"]):
+            rows += _time_batch(store, buf, biggest, k, batch["chunk_sizes"], cfg["op_budget_s"])
+    finally:
+        with contextlib.suppress(Exception):
+            store.unregister_buffer(buf.ctypes.data)
+        with contextlib.suppress(Exception):
+            store.close()
+    _write_json(cfg["out"], {"rows": rows, "setup_s": round(setup_s, 3)})
+    return 0
+
+
+def _time_batch(store, buf, half: int, k: int, sizes: list[int], budget_s: float) -> list[dict]:
+    """Time one batch's batch_put_from (fresh keys, removed untimed) and batch_get_into; check the bytes."""
+    import numpy as np
+
+    total, clock = sum(sizes), time.perf_counter
+    offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+    src = [buf.ctypes.data + o for o in offsets]
+    dst = [buf.ctypes.data + half + o for o in offsets]
+    value = np.random.default_rng(k).integers(0, 256, total, dtype=np.uint8)
+    buf[:total] = value
+    buf[half:half + total] = 0  # so that the check below sees what batch_get_into wrote
+
+    def put_from(i: int) -> float:
+        keys = [f"batch/{k}/put/{i}/{j}" for j in range(len(sizes))]
+        t = clock()
+        res = store.batch_put_from(keys, src, sizes)
+        dt = clock() - t
+        if any(r != 0 for r in res):
+            raise RuntimeError(f"batch_put_from of {len(sizes)} chunks returned {list(res)}")
+        # a put to an existing key does nothing, so every round puts fresh keys and drops them untimed
+        if any(r != 0 for r in store.batch_remove(keys, True)):
+            raise RuntimeError(f"batch_remove of {len(sizes)} chunks failed")
+        return dt
+
+    get_keys = [f"batch/{k}/get/{j}" for j in range(len(sizes))]
+    res = store.batch_put_from(get_keys, src, sizes)
+    if any(r != 0 for r in res):
+        raise RuntimeError(f"batch_put_from of the read batch returned {list(res)}")
+
+    def get_into(i: int) -> float:
+        t = clock()
+        res = store.batch_get_into(get_keys, dst, sizes)
+        dt = clock() - t
+        if list(res) != sizes:
+            raise RuntimeError(f"batch_get_into of {len(sizes)} chunks returned {list(res)}, expected {sizes}")
+        return dt
+
+    n = _iterations(total)
+    warmup = max(3, min(50, n // 10))
+    rows = [{"batch": k, "op": op, "times_s": _timed(fn, n, warmup, budget_s)}
+            for op, fn in (("batch_put_from", put_from), ("batch_get_into", get_into))]
+    if not np.array_equal(buf[half:half + total], value):
+        raise RuntimeError(f"batch_get_into returned wrong bytes for batch {k} ({len(sizes)} chunks)")
+    store.batch_remove(get_keys, True)
+    return [{**r, "verified": True} for r in rows]
+
+
 # ---- command line -----------------------------------------------------------------------------------
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -528,13 +734,28 @@ def print_table(result: dict) -> None:
         return
     from benchmarks.common.table import Column, format_table
 
-    print(format_table([Column("path", "<15", "path"), Column("op", "<9", "op"),
+    batch = "batches" in result
+    key = ([Column("blocks", ">6", "blocks")] if batch and "block_nbytes" in result else []) + (
+        [Column("chunks", ">6", "count"), Column("chunk", ">7", lambda r: format_size(r["chunk_size"]))]
+        if batch else [])
+    print(format_table([Column("path", "<15", "path"), Column("op", "<14" if batch else "<9", "op"), *key,
                         Column("size", ">7", lambda r: format_size(r["size"])), Column("p50 us", ">10.1f", "p50_us"),
                         Column("p99 us", ">10.1f", "p99_us"), Column("GB/s", ">7.2f", "gbps"),
                         Column("n", ">5", "n")], result["rows"]))
     for mode, d in result.get("details", {}).items():
-        print(f"# {mode}: startup {d['startup_s']} s, client setup {d['client_setup_s']} s, "
-              f"loopback bytes per get_into of the largest size {d['loopback_bytes_per_get_into']}")
+        loopback = "" if batch else (", loopback bytes per get_into of the largest size "
+                                     f"{d['loopback_bytes_per_get_into']}")
+        print(f"# {mode}: startup {d['startup_s']} s, client setup {d['client_setup_s']} s{loopback}")
+    if batch:
+        print("# bytes read back by batch_get_into checked against those written: "
+              + ("equal" if all(r["verified"] for r in result["rows"]) else "NOT CHECKED"))
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -542,16 +763,36 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["_exec"]:  # run a binary (mooncake_master) with the parent-death signal armed
         _die_with_parent()
         os.execv(argv[1], argv[1:])
-    if argv[:1] == ["_holder"]:
-        return _holder_main(argv[1])
-    if argv[:1] == ["_client"]:
-        return _client_main(argv[1])
+    children = {"_holder": _holder_main, "_client": _client_main, "_batch_client": _batch_client_main}
+    if argv[:1] and argv[0] in children:
+        return children[argv[0]](argv[1])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="4KiB,1MiB,16MiB", help="comma-separated sizes (default %(default)s)")
     parser.add_argument("--modes", default="tcp", help="comma-separated: tcp, local (default %(default)s)")
+    parser.add_argument("--batch", metavar="CHUNK_SIZE", type=parse_size,
+                        help="time batch_put_from/batch_get_into of --counts chunks of this size instead")
+    parser.add_argument("--counts", type=_int_list, default=[1, 16, 64],
+                        help="chunks per batch with --batch (default 1,16,64)")
+    parser.add_argument("--handoff-blocks", metavar="BLOCKS", type=_int_list,
+                        help="time batches in the hand-off's chunks for requests of these block counts instead")
+    parser.add_argument("--block-bytes", type=parse_size, default=LLAMA3_8B_BLOCK_BYTES,
+                        help="bytes a block with --handoff-blocks (default 2MiB: Llama-3-8B, block 16)")
+    parser.add_argument("--chunk-blocks", type=int, default=HANDOFF_CHUNK_BLOCKS,
+                        help="blocks a chunk with --handoff-blocks (default %(default)s, KVHandoff's)")
+    parser.add_argument("--time-budget", type=float, default=TIME_BUDGET_S,
+                        help="seconds for all timed loops together (default %(default)s)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     args = parser.parse_args(argv)
-    result = measure([parse_size(s) for s in args.sizes.split(",")], tuple(args.modes.split(",")))
+    modes = tuple(args.modes.split(","))
+    if args.batch is not None and args.handoff_blocks is not None:
+        parser.error("--batch and --handoff-blocks are alternatives")
+    if args.batch is not None:
+        result = measure_batches(args.batch, args.counts, modes, args.time_budget)
+    elif args.handoff_blocks is not None:
+        result = measure_handoff_batches(args.handoff_blocks, args.block_bytes, args.chunk_blocks, modes,
+                                         args.time_budget)
+    else:
+        result = measure([parse_size(s) for s in args.sizes.split(",")], modes, args.time_budget)
     print_table(result)
     if args.json:
         _write_json(args.json, result)
