@@ -2,6 +2,7 @@
 a real ``kvstore serve`` daemon (shm and tcp), against a memcpy of the same bytes measured in the same run.
 
     python -m benchmarks.bench_handoff [--blocks 1,16,64,256] [--layouts llama,mla] [--json PATH] [--plot PNG]
+                                       [--no-mooncake]
 
 Geometry: Llama-3-8B (32 layers, 8 KV heads, head_dim 128, bf16, block 16: 2 MiB a block) in vLLM's
 flash-attention layout, and an MLA layout (DeepSeek-V3-like: 61 layers, latent 576, bf16, block 64). Block ids
@@ -10,6 +11,8 @@ are a random permutation of a cache twice the request's size. ``publish`` is tim
 baseline copies the request's bytes once into a pre-faulted buffer (single thread); the target is publish >=
 0.7x and fetch >= 0.8x of it, publish + fetch <= 2.5x one memcpy. ``copy path`` rows time the v1 method in the
 same run (gather into a fresh tensor + ``batch_put``; ``batch_get_into`` + hash + scatter) for comparison.
+When Mooncake Store is installed, its ``batch_put_from`` / ``batch_get_into`` of the same chunks over TCP is
+measured in the same run (the anchor; ``--no-mooncake`` skips it).
 """
 
 from __future__ import annotations
@@ -133,7 +136,8 @@ def _stores(kinds: list[str], capacity: str):
         yield out
 
 
-def run(blocks: list[int], layouts: list[str], kinds: list[str], iters: int, device: str = "cpu") -> dict:
+def run(blocks: list[int], layouts: list[str], kinds: list[str], iters: int, device: str = "cpu",
+        mooncake: bool = True) -> dict:
     torch.set_num_threads(1)
     rows, baselines = [], {}
     biggest = max(blocks)
@@ -153,7 +157,37 @@ def run(blocks: list[int], layouts: list[str], kinds: list[str], iters: int, dev
                         row["memcpy_gbps"] = base["gbps"]
                         row["x_memcpy"] = base["p50_us"] / 1e3 / row["p50_ms"]
                         rows.append(row)
-    return {"machine": describe(machine()), "rows": rows, "baselines": baselines}
+    result = {"machine": describe(machine()), "rows": rows, "baselines": baselines}
+    result["mooncake"] = mooncake_anchor(blocks, rows, baselines) if mooncake and "llama" in layouts \
+        else {"available": False, "reason": "skipped" if not mooncake else "measured for the llama geometry only"}
+    return result
+
+
+def mooncake_anchor(blocks: list[int], rows: list[dict], baselines: dict) -> dict:
+    """Mooncake Store in the same run: ``batch_put_from`` / ``batch_get_into`` over its TCP transport of the
+    chunks a Llama-3-8B hand-off of each size stores (the same chunk split), from / into one registered buffer.
+    Mooncake moves already-packed chunks: it does no gather, scatter or checksum, which kvstore's rows include."""
+    from benchmarks import mooncake_baseline
+
+    result = mooncake_baseline.measure_handoff_batches(blocks)
+    if not result["available"]:
+        return {"available": False, "reason": result["reason"]}
+    out = []
+    for r in result["rows"]:
+        op = {"batch_put_from": "publish", "batch_get_into": "fetch"}.get(r["op"])
+        if op is None:
+            continue
+        base = baselines[f"llama/{r['blocks']}"]
+        row = {"path": "mooncake+tcp", "layout": "llama", "blocks": r["blocks"], "bytes": r["size"],
+               "op": f"{op} ({r['op']})", "p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3,
+               "gbps": r["gbps"], "memcpy_gbps": base["gbps"], "x_memcpy": base["p50_us"] / r["p50_us"]}
+        for path in ("daemon-tcp", "daemon-shm"):
+            ours = next((x for x in rows if (x["path"], x["layout"], x["blocks"], x["op"]) ==
+                         (path, "llama", r["blocks"], op)), None)
+            if ours is not None:
+                row[f"speedup_{path}"] = row["p50_ms"] / ours["p50_ms"]
+        out.append(row)
+    return {"available": True, "rows": out, "package": result.get("package")}
 
 
 def print_table(result: dict) -> None:
@@ -167,6 +201,17 @@ def print_table(result: dict) -> None:
               f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['gbps']:>6.2f} {r['memcpy_gbps']:>7.2f} "
               f"{ratio:>7.2f}{'' if label == 'x memcpy' else ' t'}")
     print("# x memcpy: memcpy time / op time (higher is better); for publish+fetch 't' marks op time / one memcpy")
+    mc = result.get("mooncake", {"available": False, "reason": "not measured"})
+    if not mc["available"]:
+        print(f"# Mooncake Store: not measured ({mc['reason']})")
+        return
+    print("# Mooncake Store over TCP, same run: batch_put_from / batch_get_into of the same chunks (packed already:"
+          " no gather, scatter or checksum)")
+    for r in mc["rows"]:
+        speedups = "  ".join(f"kvstore {p[8:]} {r[p]:.1f}x faster" for p in ("speedup_daemon-tcp", "speedup_daemon-shm")
+                             if p in r)
+        print(f"{r['path']:<12} {r['blocks']:>6} {r['bytes'] / 2**20:>6.0f} {r['op']:<26} {r['p50_ms']:>8.2f} "
+              f"{r['p99_ms']:>8.2f} {r['gbps']:>6.2f} {r['x_memcpy']:>7.2f}  {speedups}")
 
 
 def plot(result: dict, path: str) -> None:
@@ -204,12 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="where the caches live: cpu or cuda (default %(default)s)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG", help="also plot GB/s against size with the memcpy line")
+    parser.add_argument("--no-mooncake", action="store_true", help="do not measure Mooncake Store (the anchor)")
     args = parser.parse_args(argv)
     unknown = set(args.layouts.split(",")) - set(LAYOUTS)
     if unknown:
         parser.error(f"unknown layouts {sorted(unknown)}; known: {sorted(LAYOUTS)}")
     result = run([int(b) for b in args.blocks.split(",")], args.layouts.split(","), args.paths.split(","), args.iters,
-                 args.device)
+                 args.device, mooncake=not args.no_mooncake)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -16,6 +16,7 @@ from typing import Any
 from kvstore import transports
 from kvstore.client.device import DirectDeviceMemory
 from kvstore.client.rpc import Connection
+from kvstore.client.staging import Staged
 from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta
@@ -156,13 +157,13 @@ class RemoteStore(KVStore):
         try:
             view = self._data.region(reply["segment"], reply["offset"], meta.size)
         except BaseException:
-            self._abort_reserved([reply["put_id"]], quiet=True)
+            self._abort_reserved([("region", reply["put_id"])], quiet=True)
             raise
         return ("region", reply["put_id"]), view
 
     def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int]
                          ) -> list[ObjectMeta]:
-        if not handles or handles[0][0] != "region":
+        if not handles or isinstance(handles[0], Staged):
             return super()._commit_reserved(handles, metas, checksums)
         reply = self._conn.call({"op": "commit_many", "put_ids": [h[1] for h in handles],
                                  "checksums": list(checksums)})
@@ -170,7 +171,7 @@ class RemoteStore(KVStore):
                 zip(metas, checksums, reply["versions"], reply["created"], strict=True)]
 
     def _abort_reserved(self, handles: list[Any], quiet: bool = False) -> None:
-        if not handles or handles[0][0] != "region":
+        if not handles or isinstance(handles[0], Staged):
             return super()._abort_reserved(handles, quiet)
         if self._conn.closed:
             return  # the daemon revoked them when the connection dropped

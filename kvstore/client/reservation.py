@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvstore.client.staging import Staged
 from kvstore.core.digest import checksum_of
 from kvstore.core.meta import ObjectMeta, validate_key, validate_ttl, validate_user_meta
 from kvstore.errors import InvalidArgumentError
@@ -72,7 +73,10 @@ class Reservation:
             checksums = [None] * len(self._metas)
         if len(checksums) != len(self._metas):
             raise InvalidArgumentError(f"commit got {len(checksums)} checksums for {len(self._metas)} objects")
-        sums = [checksum_of(view) if c is None else c for c, view in zip(checksums, self._views, strict=True)]
+        # a staged object's bytes are hashed by the path that sends them (a daemon, as they land); an object
+        # written in the store's own memory is hashed here
+        sums = [checksum_of(view) if c is None and not isinstance(h, Staged) else c
+                for c, view, h in zip(checksums, self._views, self._handles, strict=True)]
         self._done = True
         self._release_views()
         if not self._metas:

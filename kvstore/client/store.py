@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.client import pages, registry
 from kvstore.client.reservation import Reservation
+from kvstore.client.staging import Staged, StagingPool
 from kvstore.core.digest import Digest, checksum_of
 from kvstore.core.meta import ObjectMeta, validate_key, validate_ttl, validate_user_meta
 from kvstore.core.value import KVObject, Payload, as_payload, writable_view
@@ -277,21 +278,40 @@ class KVStore(ABC):
     # ---- backend primitives -------------------------------------------------------------------------
     # In-place writes. The default stages in a client buffer and stores it with _put_many at commit; backends
     # whose memory the caller can map (embedded, a same-host daemon) hand out the object's own memory.
+    _staging: StagingPool | None = None
+
     def _reserve(self, meta: ObjectMeta, flags: PutFlags) -> tuple[Any, memoryview]:
         """Reserve ``meta.size`` bytes for ``meta``; return (handle, writable view)."""
-        staging = bytearray(meta.size)
-        return (meta, staging, flags), memoryview(staging)  # the caller's view is released before commit
+        if self._staging is None:
+            self._staging = StagingPool()
+        staged = Staged(meta, self._staging.take(meta.size), flags)
+        return staged, memoryview(staged.buffer)  # the caller's view is released before commit
 
-    def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int]
+    def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int | None]
                          ) -> list[ObjectMeta]:
-        """Commit reserved objects at once with these checksums (abort them all on failure)."""
-        items = [(meta, Payload(memoryview(staging), meta.kind, meta.dtype, meta.shape))
-                 for meta, staging, _ in handles]
+        """Commit reserved objects at once with these checksums (abort them all on failure). A None checksum
+        (only for staged handles) is computed by the path that sends the bytes (a daemon hashes a stream as it
+        lands)."""
+        items = [(h.meta, Payload(memoryview(h.buffer), h.meta.kind, h.meta.dtype, h.meta.shape)) for h in handles]
         digests = [Digest(item[1].view, known=c) for item, c in zip(items, checksums, strict=True)]
-        return self._put_many(items, digests, flags=handles[0][2])
+        try:
+            return self._put_many(items, digests, flags=handles[0].flags)
+        finally:
+            reusable = []
+            for h, (_, payload) in zip(handles, items, strict=True):
+                try:
+                    payload.view.release()
+                    reusable.append(h)
+                except BufferError:  # something still holds the bytes: let that buffer go with it
+                    pass
+            handles[:] = reusable
+            self._abort_reserved(handles)  # sent (or failed): the buffers go back to the pool
 
     def _abort_reserved(self, handles: list[Any], quiet: bool = False) -> None:
-        """Free reserved objects (staging buffers: nothing was sent; they go with their handles)."""
+        """Free reserved objects (staging buffers: nothing was sent; they go back to the pool)."""
+        for h in handles:
+            if isinstance(h, Staged) and self._staging is not None:
+                self._staging.give(h.buffer)
         handles.clear()
 
     @abstractmethod
