@@ -204,10 +204,28 @@ class RemoteStore(KVStore):
 
     def _get(self, key: str, *, copy: bool) -> KVObject:
         if not isinstance(self._data, ShmTransport):
+            # A copy is the caller's for good: fresh memory. A zero-copy object here is a client buffer (the
+            # daemon's memory cannot be mapped) that nobody else writes while it is held; it is taken warm from
+            # the staging pool and goes back there when released.
+            pool = self._staging_pool()
             holder: dict = {}
-            reply = self._read(key, lambda r: holder.setdefault("buf", memoryview(bytearray(r["meta"]["size"]))),
-                               self._data)
-            return KVObject.wrap(holder.get("buf", b""), ObjectMeta.from_wire(reply["meta"]))
+
+            def fit(r: dict) -> memoryview:
+                size = r["meta"]["size"]
+                holder["raw"] = pool.take(size) if not copy else bytearray(size)
+                return memoryview(holder["raw"])
+
+            try:
+                reply = self._read(key, fit, self._data)
+            except BaseException:
+                if not copy and "raw" in holder:
+                    pool.give(holder["raw"])
+                raise
+            raw = holder.get("raw", bytearray())
+            meta = ObjectMeta.from_wire(reply["meta"])
+            if copy:
+                return KVObject.wrap(raw, meta)
+            return KVObject.wrap(raw, meta, on_release=lambda: pool.give(raw))
         reply = self._conn.call({"op": "get", "key": key, "mode": "region"})
         meta = ObjectMeta.from_wire(reply["meta"])
         try:

@@ -169,9 +169,11 @@ class KVStore(ABC):
         cannot be evicted or removed) until ``release()``, the end of a ``with`` block or garbage collection.
         Over ``tcp`` and ``ucx`` the bytes have to cross a socket into this process anyway, so ``copy=False``
         returns that private copy and holds no lease: the stored object may then be evicted or removed while
-        the copy stays valid. Use ``with store.lease(key):`` to keep an object in the store on every
-        transport. (A lease over tcp would only pin the object at the cost of two round trips, protecting
-        no memory of the caller's.)"""
+        the copy stays valid — until ``release()`` (or the end of the ``with`` block), after which its warm
+        buffer is reused by later reads and writes of this client, exactly as a released view of the store's
+        memory may be reused by later objects: do not touch a ``copy=False`` object after releasing it.
+        Use ``with store.lease(key):`` to keep an object in the store on every transport. (A lease over tcp
+        would only pin the object at the cost of two round trips, protecting no memory of the caller's.)"""
         obj = self._get(validate_key(key), copy=copy)
         if verify:
             self._verify(obj.meta, memoryview(obj))
@@ -280,11 +282,15 @@ class KVStore(ABC):
     # whose memory the caller can map (embedded, a same-host daemon) hand out the object's own memory.
     _staging: StagingPool | None = None
 
-    def _reserve(self, meta: ObjectMeta, flags: PutFlags) -> tuple[Any, memoryview]:
-        """Reserve ``meta.size`` bytes for ``meta``; return (handle, writable view)."""
+    def _staging_pool(self) -> StagingPool:
+        """Warm client buffers for staged writes and for zero-copy reads on paths that cannot map the store."""
         if self._staging is None:
             self._staging = StagingPool()
-        staged = Staged(meta, self._staging.take(meta.size), flags)
+        return self._staging
+
+    def _reserve(self, meta: ObjectMeta, flags: PutFlags) -> tuple[Any, memoryview]:
+        """Reserve ``meta.size`` bytes for ``meta``; return (handle, writable view)."""
+        staged = Staged(meta, self._staging_pool().take(meta.size), flags)
         return staged, memoryview(staged.buffer)  # the caller's view is released before commit
 
     def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int | None]

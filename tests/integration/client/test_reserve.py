@@ -72,6 +72,33 @@ def test_staging_buffers_are_reused_and_their_old_bytes_never_leak_into_objects(
     assert not store.exists(prefix + "aborted")
 
 
+def test_zero_copy_reads_over_a_socket_reuse_warm_buffers_only_after_release(store, store_kind, prefix):
+    """Over tcp a copy=False object is a client buffer from the pool: it never changes while held (another read
+    takes another buffer), and goes back to the pool at release; copy=True objects are never pooled."""
+    a, b = _filled(MiB, seed=5), _filled(MiB, seed=6)
+    store.put(prefix + "za", a)
+    store.put(prefix + "zb", b)
+    first = store.get(prefix + "za", copy=False)
+    second = store.get(prefix + "zb", copy=False)  # while the first is held: a different buffer
+    assert bytes(first) == a and bytes(second) == b
+    if store_kind == "daemon-tcp":
+        pool = store._staging_pool()
+        idle = pool.idle_bytes
+        second.release()
+        first.release()
+        assert pool.idle_bytes == idle + 2 * MiB  # both buffers back in the pool
+        third = store.get(prefix + "zb", copy=False)
+        assert pool.idle_bytes == idle + MiB and bytes(third) == b  # one taken out again, filled anew
+        kept = store.get(prefix + "za")  # copy=True: the caller's for good, not from the pool
+        assert pool.idle_bytes == idle + MiB and bytes(kept) == a
+        third.release()
+        assert pool.idle_bytes == idle + 2 * MiB
+        assert bytes(kept) == a
+    else:
+        first.release()
+        second.release()
+
+
 def test_batch_reserve_is_all_or_nothing(store, prefix):
     keys = [prefix + f"b{i}" for i in range(3)]
     with store.batch_reserve([(k, 1000 + i) for i, k in enumerate(keys)]) as bufs:
