@@ -56,6 +56,9 @@ class _Publisher:
     def unpublished(self, replica: Replica) -> None:
         self.server.on_unpublished(replica)
 
+    def moved(self, replica: Replica) -> None:
+        self.server.on_moved(replica)
+
 
 class Server:
     """The daemon. Extension points for subclasses (e.g. a cluster node): ``session_class``,
@@ -172,7 +175,8 @@ class Server:
         self.master = Master(sizes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
                              policy=LRUPolicy(self.index.atime), listener=_Publisher(self), tiers=tiers,
                              quota=cfg.quota,
-                             on_evict=self.disk.tiering.evicting if self.disk is not None else None)
+                             on_evict=self.disk.tiering.evicting if self.disk is not None else None,
+                             mover=self.segments.move)
         self.quarantine = Quarantine(self.master)
         if self.disk is not None:
             self.disk.attach(self.master)
@@ -309,6 +313,14 @@ class Server:
         for fut in self.waiters.pop(meta.key, ()):
             if not fut.done():
                 fut.set_result(meta.key)
+
+    def on_moved(self, replica: Replica) -> None:
+        """The master relocated a host object: its bytes are at the new offset already, the old space is freed
+        next. Rewriting the index slot bumps its seqlock, so a same-host reader that copied from the old place
+        retries."""
+        meta = replica.meta
+        self.index.publish(meta.key, replica.id, replica.segment, replica.offset, meta.size, replica.expires_at,
+                           meta.checksum)
 
     def on_unpublished(self, replica: Replica) -> None:
         self.index.unpublish(replica.key, replica.id)
