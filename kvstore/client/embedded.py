@@ -38,6 +38,9 @@ class _Notifier:
         if self.tiering is not None:
             self.tiering.unpublished(replica)
 
+    def moving(self, replica: Replica) -> None:
+        pass
+
     def moved(self, replica: Replica) -> None:
         pass  # nothing outside the master records where an object lies (views are taken under leases)
 

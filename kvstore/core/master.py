@@ -125,16 +125,18 @@ class LRUPolicy:
 
 
 class MasterListener(Protocol):
-    """Told when a version becomes visible or stops being visible, and when a visible one was relocated
-    (``replica.offset`` is its new place; its bytes are already there and the old space is freed next)."""
+    """Told when a version becomes visible or stops being visible, and around a relocation of a visible one:
+    ``moving`` before its bytes are copied (``replica.offset`` still the old place: stop lock-free readers from
+    trusting it), ``moved`` after (``replica.offset`` the new place, its bytes already there)."""
 
     def published(self, replica: Replica) -> None: ...
     def unpublished(self, replica: Replica) -> None: ...
+    def moving(self, replica: Replica) -> None: ...
     def moved(self, replica: Replica) -> None: ...
 
 
 #: ``mover(segment, src, dst, nbytes)`` copies ``nbytes`` from offset ``src`` to ``dst`` of ``segment``
-#: (the two ranges never overlap)
+#: (the two ranges may overlap: a memmove)
 Mover = Callable[[int, int, int, int], None]
 
 
@@ -143,6 +145,9 @@ class _NoListener:
         pass
 
     def unpublished(self, replica: Replica) -> None:
+        pass
+
+    def moving(self, replica: Replica) -> None:
         pass
 
     def moved(self, replica: Replica) -> None:
@@ -495,6 +500,10 @@ class Master:
     #: relocation attempts per allocation (each plans over the segment's blocks, O(n log n)): one before
     #: evicting anything, the rest after evictions freed enough bytes in pieces
     RELOCATE_TRIES = 3
+    #: while an eviction could make room instead, pack at most this many times the request's bytes (a cache
+    #: would rather drop its least recently used object than copy ten times the put); with nothing left to
+    #: evict, any amount is packed before a put is refused
+    PACK_FACTOR = 4
     #: a segment of more blocks than this is not planned over (evicted instead): planning is a Python loop of
     #: about 1.5 us a block, so this bounds one attempt near 25 ms
     RELOCATE_MAX_BLOCKS = 1 << 14
@@ -508,17 +517,22 @@ class Master:
                 offset = self.allocators[segment].allocate(nbytes)
                 if offset is not None:
                     return segment, offset
-            if tries and self._relocate_for(nbytes, segments):
+            if tries and self._relocate_for(nbytes, segments, self.PACK_FACTOR * nbytes):
                 tries -= 1
+                continue
+            if evict and self._evict_one(segments, room_for=nbytes):
+                continue
+            # nothing (more) to evict: moving any amount of bytes beats refusing
+            if self._relocate_for(nbytes, segments, None):
                 continue
             if not evict:
                 return None
-            if not self._evict_one(segments, room_for=nbytes):
-                self.refusals += 1
-                raise StoreFullError(self._full_message(nbytes, segments))
+            self.refusals += 1
+            raise StoreFullError(self._full_message(nbytes, segments))
 
-    def _relocate_for(self, nbytes: int, segments: Sequence[int]) -> bool:
-        """Open an extent of ``nbytes`` in one host segment whose free bytes would hold it, by moving objects."""
+    def _relocate_for(self, nbytes: int, segments: Sequence[int], max_pack: int | None) -> bool:
+        """Open an extent of ``nbytes`` in one host segment whose free bytes would hold it, by moving objects
+        (packing at most ``max_pack`` bytes; None: any)."""
         if self.mover is None:
             return False
         for segment in segments:
@@ -528,11 +542,12 @@ class Master:
                 continue
             movable = {r.offset: r for r in self._live.values()
                        if r.segment == segment and not r.leases and not r.held}
-            if open_extent(allocator, nbytes, movable, self._move):
+            if open_extent(allocator, nbytes, movable, self._move, max_pack):
                 return True
         return False
 
     def _move(self, replica: Replica, dst: int) -> None:
+        self.listener.moving(replica)
         self.mover(replica.segment, replica.offset, dst, replica.size)  # type: ignore[misc]
         replica.offset = dst
         self.relocations += 1

@@ -26,7 +26,7 @@ from typing import Protocol, TypeVar
 from kvstore.core.allocator import Allocator
 
 
-class _Placed(Protocol):
+class _Placed(Protocol):  # what a moved object has (the master's Replica)
     offset: int
     reserved: int
 
@@ -77,12 +77,57 @@ def plan(allocator: Allocator, need: int, movable: Callable[[int], bool], count:
     return [_window(runs[r][i:j], need, -neg) for neg, r, i, j in sorted(best, reverse=True)]
 
 
-def open_extent(allocator: Allocator, need: int, objects: Mapping[int, T], move: Callable[[T, int], None]) -> bool:
+def plan_pack(allocator: Allocator, need: int, movable: Callable[[int], bool]) -> list[tuple[int, int, bool]] | None:
+    """The stretch of blocks, free or movable, holding at least ``need`` free bytes with the fewest object bytes
+    in it (packing its objects to its start leaves those free bytes in one extent), or None."""
+    best: tuple[int, list[tuple[int, int, bool]]] | None = None
+    for run in _runs(allocator.blocks(), movable):
+        j = free = moved = 0
+        for i in range(len(run)):
+            while j < len(run) and free < need:
+                free += 0 if run[j][2] else run[j][1]
+                moved += run[j][1] if run[j][2] else 0
+                j += 1
+            if free < need:
+                break
+            if best is None or moved < best[0]:
+                best = (moved, run[i:j])
+            free -= 0 if run[i][2] else run[i][1]
+            moved -= run[i][1] if run[i][2] else 0
+    return None if best is None else best[1]
+
+
+def open_extent(allocator: Allocator, need: int, objects: Mapping[int, T], move: Callable[[T, int], None],
+                max_pack: int | None = None) -> bool:
     """Make ``need`` contiguous bytes free by moving some of ``objects`` (offset -> object; the ones allowed
-    to move) to free space elsewhere. ``move(obj, dst)`` copies the object's bytes to ``dst`` and records its
-    new offset; the old space is freed after it returns. False, with nothing changed, when no window works."""
-    return any(_clear(allocator, w, objects, move) for w in plan(allocator, allocator.aligned(need),
-                                                                  objects.__contains__))
+    to move). ``move(obj, dst)`` copies the object's bytes to ``dst`` (the ranges may overlap: a memmove) and
+    records its new offset. First the cheap way: empty one window of ``need`` bytes into free space elsewhere;
+    else pack the objects of the stretch that holds ``need`` free bytes with the fewest object bytes, if those are
+    at most ``max_pack`` (None: any). False, with nothing moved, when neither works (objects that may not move
+    split the free space, or packing would move more than ``max_pack``)."""
+    size = allocator.aligned(need)
+    if any(_clear(allocator, w, objects, move) for w in plan(allocator, size, objects.__contains__)):
+        return True
+    stretch = plan_pack(allocator, size, objects.__contains__)
+    if stretch is None or (max_pack is not None and sum(s for _, s, used in stretch if used) > max_pack):
+        return False
+    _pack(allocator, stretch, objects, move)
+    return True
+
+
+def _pack(allocator: Allocator, stretch: list[tuple[int, int, bool]], objects: Mapping[int, T],
+          move: Callable[[T, int], None]) -> None:
+    """Slide the stretch's objects down to its start, in address order: each one's old block is freed (it joins
+    the free gap below it, which starts at the cursor) and its new place claimed from that gap's start."""
+    cursor = stretch[0][0]
+    for offset, size, used in stretch:
+        if not used:
+            continue
+        if offset != cursor:
+            allocator.free(offset)
+            allocator.claim(cursor, size)
+            move(objects[offset], cursor)
+        cursor += size
 
 
 def _clear(allocator: Allocator, window: Window, objects: Mapping[int, T], move: Callable[[T, int], None]) -> bool:

@@ -56,6 +56,9 @@ class _Publisher:
     def unpublished(self, replica: Replica) -> None:
         self.server.on_unpublished(replica)
 
+    def moving(self, replica: Replica) -> None:
+        self.server.on_moving(replica)
+
     def moved(self, replica: Replica) -> None:
         self.server.on_moved(replica)
 
@@ -314,10 +317,14 @@ class Server:
             if not fut.done():
                 fut.set_result(meta.key)
 
+    def on_moving(self, replica: Replica) -> None:
+        """The master is about to copy a host object elsewhere (the ranges may overlap): take it out of the
+        shared-memory index first, so that a same-host reader copying it now fails its seqlock check and retries
+        (finding no slot, it asks the daemon, which answers after the move)."""
+        self.index.unpublish(replica.key, replica.id)
+
     def on_moved(self, replica: Replica) -> None:
-        """The master relocated a host object: its bytes are at the new offset already, the old space is freed
-        next. Rewriting the index slot bumps its seqlock, so a same-host reader that copied from the old place
-        retries."""
+        """The relocated object's bytes are at its new offset: show it there again."""
         meta = replica.meta
         self.index.publish(meta.key, replica.id, replica.segment, replica.offset, meta.size, replica.expires_at,
                            meta.checksum)

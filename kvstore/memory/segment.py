@@ -35,7 +35,8 @@ class Segment:
         return self.shm.buf[offset:offset + length]
 
     def move(self, src: int, dst: int, nbytes: int) -> None:
-        """Copy ``nbytes`` from ``src`` to ``dst`` inside this segment (a relocation by the master)."""
+        """Copy ``nbytes`` from ``src`` to ``dst`` inside this segment (a relocation by the master). The ranges
+        may overlap: memoryview slice assignment is a memmove."""
         buf = self.shm.buf
         buf[dst:dst + nbytes] = buf[src:src + nbytes]
 
