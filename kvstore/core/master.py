@@ -210,6 +210,7 @@ class Master:
         self.relocated_bytes = 0
         self.refusals = 0  # StoreFullError raised for lack of space
         self.fill_at_first_eviction: float | None = None  # used / capacity of the tier when it first evicted
+        self.fill_at_first_refusal: float | None = None  # ... when it first raised StoreFullError
 
     # ---- clients ------------------------------------------------------------------------------------
     def register_client(self, name: str = "") -> int:
@@ -449,7 +450,7 @@ class Master:
             "pending": len(self._pending), "leases": len(self._leases), "evictions": self.evictions,
             "expirations": self.expirations, "clients": len(self._clients),
             "relocations": self.relocations, "relocated_bytes": self.relocated_bytes, "refusals": self.refusals,
-            "fill_at_first_eviction": self.fill_at_first_eviction,
+            "fill_at_first_eviction": self.fill_at_first_eviction, "fill_at_first_refusal": self.fill_at_first_refusal,
             "quarantined_bytes": self.quarantined_bytes(), "quarantined_clients": len(self._quarantine),
             "free_bytes": free, "largest_free_bytes": largest,
             "fragmentation": 0.0 if free == 0 else round(1.0 - largest / free, 6),
@@ -528,6 +529,9 @@ class Master:
             if not evict:
                 return None
             self.refusals += 1
+            if self.fill_at_first_refusal is None:
+                self.fill_at_first_refusal = round(self._used(segments) / sum(self.allocators[i].capacity
+                                                                             for i in segments), 6)
             raise StoreFullError(self._full_message(nbytes, segments))
 
     def _relocate_for(self, nbytes: int, segments: Sequence[int], max_pack: int | None) -> bool:

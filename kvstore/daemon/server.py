@@ -179,7 +179,7 @@ class Server:
                              policy=LRUPolicy(self.index.atime), listener=_Publisher(self), tiers=tiers,
                              quota=cfg.quota,
                              on_evict=self.disk.tiering.evicting if self.disk is not None else None,
-                             mover=self.segments.move)
+                             mover=self.segments.move if cfg.relocate else None)
         self.quarantine = Quarantine(self.master)
         if self.disk is not None:
             self.disk.attach(self.master)

@@ -5,8 +5,6 @@ keeps serving."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 from conftest import MiB, wait_until
