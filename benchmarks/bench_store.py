@@ -2,12 +2,16 @@
 daemon over TCP, with this machine's baselines measured in the same run.
 
     python -m benchmarks.bench_store [--sizes 4KiB,64KiB,1MiB,16MiB,64MiB] [--json PATH]
+    python -m benchmarks.bench_store --workload mixed [--runs 5] [--capacity 256MiB] [--json PATH]
 
 Ratios: shm and embedded paths against single-thread memcpy into a pre-faulted buffer; the tcp path
 against a raw loopback socket between two processes (put: sendall + 1-byte ack; get: recv_into).
 When Mooncake Store is installed (``pip install mooncake-transfer-engine-non-cuda``, plus Debian's
 ``libibverbs1``), it is measured in the same run over TCP on its fastest Python paths (``--no-mooncake``
 skips it), and kvstore's rows are compared with it.
+
+``--workload mixed`` measures space instead of speed: the fill a daemon reaches before its first eviction or
+refusal under 4 clients' mixed-size traffic, with relocation and without (``benchmarks/store_mixed.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 import numpy as np
 
 import kvstore
+from benchmarks import store_mixed
 from benchmarks.baseline import RawSocket, memcpy, prefaulted
 from benchmarks.common.daemon import Daemon
 from benchmarks.common.machine import describe, machine
@@ -133,7 +138,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated sizes (default %(default)s)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--no-mooncake", action="store_true", help="do not measure Mooncake Store")
+    parser.add_argument("--workload", choices=["speed", "mixed"], default="speed",
+                        help="speed: put/get per size (default); mixed: fill before the first eviction")
+    parser.add_argument("--runs", type=int, default=5, help="mixed: runs (seeds) per daemon kind (default 5)")
+    parser.add_argument("--capacity", default="256MiB", help="mixed: the daemon's capacity (default %(default)s)")
+    parser.add_argument("--largest", default="8MiB", help="mixed: the largest value (default %(default)s)")
+    parser.add_argument("--steady", type=float, default=3.0, help="mixed: seconds sampled after the first eviction")
     args = parser.parse_args(argv)
+    if args.workload == "mixed":
+        if args.runs < 1:
+            parser.error(f"--runs must be at least 1, got {args.runs}")
+        result = store_mixed.run(args.runs, args.capacity, parse_size(args.largest), args.steady)
+        result["machine"] = describe(machine())
+        store_mixed.print_table(result, result["machine"])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     result = run(sizes, mooncake=not args.no_mooncake)
     print_table(result)

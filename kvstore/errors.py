@@ -36,8 +36,10 @@ class KeyExistsError(KVStoreError):
 
 
 class StoreFullError(KVStoreError):
-    """Not enough space even after evicting everything that may be evicted (leased, pending and pinned
-    objects are never evicted).
+    """Not enough space even after relocating what may move and evicting everything that may be evicted
+    (leased, pending and pinned objects are never evicted; leased, pending and quarantined ones never move).
+    The message gives the used, free and largest-free-extent bytes, the fragmentation, and the bytes of each
+    kind of holder that is really there.
 
     Rolled back: nothing was allocated. Retrying can help once leases are released or objects removed.
     """

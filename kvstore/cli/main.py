@@ -26,7 +26,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(listen=tuple(args.listen or [default_socket_url()]), capacity=parse_size(args.capacity),
                           metrics_port=args.metrics_port, token=token, insecure=args.insecure,
                           high_watermark=args.high_watermark, low_watermark=args.low_watermark,
-                          heartbeat_timeout=args.heartbeat_timeout, gpu_capacity=parse_size(args.gpu_capacity),
+                          relocate=not args.no_relocate, heartbeat_timeout=args.heartbeat_timeout,
+                          gpu_capacity=parse_size(args.gpu_capacity),
                           device=args.device, disk=_disk_config(args), **_limit_options(args))
     if args.cluster:
         from kvstore.cli.cluster import serve as serve_cluster
@@ -96,7 +97,8 @@ def _stats(args: argparse.Namespace) -> int:
         return 0
     used, cap = stats["used_bytes"], stats["capacity_bytes"]
     print(f"capacity      {format_size(cap)}\nused          {format_size(used)} ({100 * used / max(cap, 1):.1f} %)")
-    for name in ("objects", "pending", "leases", "evictions", "expirations", "clients", "fragmentation"):
+    for name in ("objects", "pending", "leases", "evictions", "expirations", "clients", "fragmentation", "relocations",
+                 "refusals"):
         print(f"{name:<14}{stats[name]}")
     if "disk_capacity_bytes" in stats:
         dused, dcap = stats["disk_used_bytes"], stats["disk_capacity_bytes"]
@@ -225,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(logs a warning: any local user can then read and write every object)")
     p.add_argument("--high-watermark", type=float, default=0.9, help="start evicting above this fill fraction")
     p.add_argument("--low-watermark", type=float, default=0.8, help="evict down to this fill fraction")
+    p.add_argument("--no-relocate", action="store_true", help="never move objects to join free space (evict "
+                   "instead; the allocator's own fill, as a baseline)")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,
                    help="drop a client silent this many seconds (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -38,6 +38,12 @@ class _Notifier:
         if self.tiering is not None:
             self.tiering.unpublished(replica)
 
+    def moving(self, replica: Replica) -> None:
+        pass
+
+    def moved(self, replica: Replica) -> None:
+        pass  # nothing outside the master records where an object lies (views are taken under leases)
+
 
 class EmbeddedStore(KVStore):
     def __init__(self, capacity: int, *, high_watermark: float = 0.9, low_watermark: float = 0.8,
@@ -58,7 +64,8 @@ class EmbeddedStore(KVStore):
             raise
         self._master = Master([capacity], high_watermark=high_watermark, low_watermark=low_watermark,
                               listener=_Notifier(self._cond, self._tiering),
-                              on_evict=None if self._tiering is None else self._tiering.evicting)
+                              on_evict=None if self._tiering is None else self._tiering.evicting,
+                              mover=self._segments.move)
         self._client = self._master.register_client("embedded")
         self.producer = f"embedded:{id(self):x}"
         self._closed = False

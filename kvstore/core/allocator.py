@@ -116,6 +116,30 @@ class Allocator:
     def size_of(self, offset: int) -> int:
         return self._used[offset]
 
+    def claim(self, offset: int, size: int) -> None:
+        """Take the first ``size`` bytes of the free block that starts at ``offset`` (``free`` gives them back).
+        Relocation holds a window's free pieces this way while it moves the window's objects elsewhere."""
+        block = self._free_start.get(offset)
+        if block is None or size <= 0 or size % self.alignment or size > block:
+            raise ValueError(f"cannot claim {size} bytes at {offset}: no free block of that size starts there")
+        self._remove_free(offset, block)
+        if block > size:
+            self._insert_free(offset + size, block - size)
+        self._used[offset] = size
+        self._used_bytes += size
+
+    def blocks(self) -> list[tuple[int, int, bool]]:
+        """Every block, free or used, in address order: ``(offset, size, used)``. O(n log n): for the rare
+        slow path (planning a relocation), never for a plain allocation."""
+        spans = [(o, s, True) for o, s in self._used.items()] + [(o, s, False) for o, s in self._free_start.items()]
+        spans.sort()
+        return spans
+
+    @property
+    def block_count(self) -> int:
+        """Free and used blocks together."""
+        return len(self._used) + len(self._free_start)
+
     @property
     def used_bytes(self) -> int:
         return self._used_bytes

@@ -4,7 +4,9 @@ Key -> replica (segment, offset, length, state). Two-phase puts (PENDING -> COMP
 TTLs, eviction between a high and a low watermark behind a small policy interface, and client liveness
 (a client that goes away loses its pending puts and its leases; with ``quarantine`` their space stays taken
 until ``release_quarantine``, for a client whose process may still touch it), and per-client limits
-(:class:`~kvstore.core.quota.ClientQuota`). Callers serialise access (the daemon runs
+(:class:`~kvstore.core.quota.ClientQuota`). When the free space is enough for a put but split in pieces, a
+master given a ``mover`` relocates a few unheld objects of a host segment to join them
+(:mod:`kvstore.core.relocation`) before it evicts anything. Callers serialise access (the daemon runs
 it on one event loop; the embedded store holds a lock).
 """
 
@@ -22,6 +24,7 @@ from typing import Protocol
 from kvstore.core.allocator import Allocator
 from kvstore.core.meta import ObjectMeta
 from kvstore.core.quota import ClientQuota
+from kvstore.core.relocation import open_extent
 from kvstore.errors import (
     InvalidArgumentError,
     KeyExistsError,
@@ -122,10 +125,19 @@ class LRUPolicy:
 
 
 class MasterListener(Protocol):
-    """Told when a version becomes visible or stops being visible, and when space is freed."""
+    """Told when a version becomes visible or stops being visible, and around a relocation of a visible one:
+    ``moving`` before its bytes are copied (``replica.offset`` still the old place: stop lock-free readers from
+    trusting it), ``moved`` after (``replica.offset`` the new place, its bytes already there)."""
 
     def published(self, replica: Replica) -> None: ...
     def unpublished(self, replica: Replica) -> None: ...
+    def moving(self, replica: Replica) -> None: ...
+    def moved(self, replica: Replica) -> None: ...
+
+
+#: ``mover(segment, src, dst, nbytes)`` copies ``nbytes`` from offset ``src`` to ``dst`` of ``segment``
+#: (the two ranges may overlap: a memmove)
+Mover = Callable[[int, int, int, int], None]
 
 
 class _NoListener:
@@ -133,6 +145,12 @@ class _NoListener:
         pass
 
     def unpublished(self, replica: Replica) -> None:
+        pass
+
+    def moving(self, replica: Replica) -> None:
+        pass
+
+    def moved(self, replica: Replica) -> None:
         pass
 
 
@@ -158,11 +176,12 @@ class Master:
                  policy: EvictionPolicy | None = None, alignment: int = 64,
                  clock: Callable[[], float] = time.monotonic, listener: MasterListener | None = None,
                  tiers: Sequence[Tier] | None = None, quota: ClientQuota | None = None,
-                 on_evict: Callable[[Replica], None] | None = None):
+                 on_evict: Callable[[Replica], None] | None = None, mover: Mover | None = None):
         """``tiers[i]`` is the memory kind of segment ``i`` (all host when omitted); ``quota`` limits each client
         (unlimited when omitted). ``on_evict(replica)`` is called for each object the cache evicts (``evict`` or
         to make room), while its bytes are still in place: the owner of the memory may copy them elsewhere (a
-        disk tier demotes them)."""
+        disk tier demotes them). With ``mover`` (see :data:`Mover`) objects of host segments that nobody holds
+        may be relocated to join free space that a put needs; without it nothing ever moves."""
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(f"need 0 < low <= high <= 1, got low={low_watermark} high={high_watermark}")
         self.allocators = [Allocator(size, alignment) for size in segment_sizes]
@@ -175,6 +194,7 @@ class Master:
         self.policy: EvictionPolicy = policy or LRUPolicy()
         self.listener: MasterListener = listener or _NoListener()
         self.on_evict = on_evict
+        self.mover = mover
         self.clock = clock
         self._live: dict[str, Replica] = {}
         self._pending: dict[int, Replica] = {}
@@ -186,6 +206,11 @@ class Master:
         self._ids = itertools.count(1)
         self.evictions = 0
         self.expirations = 0
+        self.relocations = 0
+        self.relocated_bytes = 0
+        self.refusals = 0  # StoreFullError raised for lack of space
+        self.fill_at_first_eviction: float | None = None  # used / capacity of the tier when it first evicted
+        self.fill_at_first_refusal: float | None = None  # ... when it first raised StoreFullError
 
     # ---- clients ------------------------------------------------------------------------------------
     def register_client(self, name: str = "") -> int:
@@ -424,6 +449,8 @@ class Master:
             "capacity_bytes": self.capacity, "used_bytes": self.used_bytes, "objects": len(self._live),
             "pending": len(self._pending), "leases": len(self._leases), "evictions": self.evictions,
             "expirations": self.expirations, "clients": len(self._clients),
+            "relocations": self.relocations, "relocated_bytes": self.relocated_bytes, "refusals": self.refusals,
+            "fill_at_first_eviction": self.fill_at_first_eviction, "fill_at_first_refusal": self.fill_at_first_refusal,
             "quarantined_bytes": self.quarantined_bytes(), "quarantined_clients": len(self._quarantine),
             "free_bytes": free, "largest_free_bytes": largest,
             "fragmentation": 0.0 if free == 0 else round(1.0 - largest / free, 6),
@@ -471,29 +498,91 @@ class Master:
     def _used(self, segments: Sequence[int]) -> int:
         return sum(self.allocators[i].used_bytes for i in segments)
 
+    #: relocation attempts per allocation (each plans over the segment's blocks, O(n log n)): one before
+    #: evicting anything, the rest after evictions freed enough bytes in pieces
+    RELOCATE_TRIES = 3
+    #: while an eviction could make room instead, pack at most this many times the request's bytes (a cache
+    #: would rather drop its least recently used object than copy ten times the put); with nothing left to
+    #: evict, any amount is packed before a put is refused
+    PACK_FACTOR = 4
+    #: a segment of more blocks than this is not planned over (evicted instead): planning is a Python loop of
+    #: about 1.5 us a block, so this bounds one attempt near 25 ms
+    RELOCATE_MAX_BLOCKS = 1 << 14
+
     def _allocate(self, nbytes: int, segments: Sequence[int], *, evict: bool = True) -> tuple[int, int] | None:
-        """(segment, offset); without ``evict``, None when the free space does not fit."""
+        """(segment, offset); without ``evict``, None when the free space does not fit even after relocating.
+        Order: a free extent; else relocate unheld objects to join free pieces (no data lost); else evict."""
+        tries = self.RELOCATE_TRIES
         while True:
             for segment in segments:
                 offset = self.allocators[segment].allocate(nbytes)
                 if offset is not None:
                     return segment, offset
+            if tries and self._relocate_for(nbytes, segments, self.PACK_FACTOR * nbytes):
+                tries -= 1
+                continue
+            if evict and self._evict_one(segments, room_for=nbytes):
+                continue
+            # nothing (more) to evict: moving any amount of bytes beats refusing
+            if self._relocate_for(nbytes, segments, None):
+                continue
             if not evict:
                 return None
-            if not self._evict_one(segments, room_for=nbytes):
-                raise StoreFullError(self._full_message(nbytes, segments))
+            self.refusals += 1
+            if self.fill_at_first_refusal is None:
+                self.fill_at_first_refusal = round(self._used(segments) / sum(self.allocators[i].capacity
+                                                                             for i in segments), 6)
+            raise StoreFullError(self._full_message(nbytes, segments))
+
+    def _relocate_for(self, nbytes: int, segments: Sequence[int], max_pack: int | None) -> bool:
+        """Open an extent of ``nbytes`` in one host segment whose free bytes would hold it, by moving objects
+        (packing at most ``max_pack`` bytes; None: any)."""
+        if self.mover is None:
+            return False
+        for segment in segments:
+            allocator = self.allocators[segment]
+            if (self.tiers[segment] is not Tier.HOST or allocator.free_bytes < allocator.aligned(nbytes)
+                    or allocator.block_count > self.RELOCATE_MAX_BLOCKS):
+                continue
+            movable = {r.offset: r for r in self._live.values()
+                       if r.segment == segment and not r.leases and not r.held}
+            if open_extent(allocator, nbytes, movable, self._move, max_pack):
+                return True
+        return False
+
+    def _move(self, replica: Replica, dst: int) -> None:
+        self.listener.moving(replica)
+        self.mover(replica.segment, replica.offset, dst, replica.size)  # type: ignore[misc]
+        replica.offset = dst
+        self.relocations += 1
+        self.relocated_bytes += replica.reserved
+        self.listener.moved(replica)
 
     def _full_message(self, nbytes: int, segments: Sequence[int]) -> str:
+        """Why ``nbytes`` found no room: the tier's real numbers, and only the holders that really hold space."""
         allocators = [self.allocators[i] for i in segments]
         free = sum(a.free_bytes for a in allocators)
         largest = max(a.largest_free() for a in allocators)
-        pending = sum(r.reserved for r in self._pending.values() if r.segment in segments)
-        leased = sum(r.reserved for r in self._live.values() if r.leases and r.segment in segments)
-        pinned = sum(r.reserved for r in self._live.values() if r.pinned and r.segment in segments)
+        need = allocators[0].aligned(nbytes)
+        inside = set(segments)
+        leased = {x.replica.id: x.replica for x in self._leases.values() if x.replica.segment in inside}
+        held = {r.id: r for rs in self._quarantine.values() for r in rs if r.segment in inside and r.id not in leased}
+        holders = {
+            "leased": sum(r.reserved for r in leased.values()),
+            "pinned": sum(r.reserved for r in self._live.values()
+                          if r.pinned and r.segment in inside and r.id not in leased and r.id not in held),
+            "in pending puts": sum(r.reserved for r in self._pending.values() if r.segment in inside),
+            "quarantined": sum(r.reserved for r in held.values()),
+        }
+        named = ", ".join(f"{b} bytes {what}" for what, b in holders.items() if b) or "no object"
+        if free < need:
+            why = f"the free space is smaller than the request, and the used space cannot be evicted ({named})"
+        else:
+            why = (f"the free space is in pieces, between objects that cannot be evicted ({named})"
+                   + ("" if self.mover is not None else " or moved (this store does not relocate objects)"))
         return (f"no room for {nbytes} bytes: {self._used(segments)} of {sum(a.capacity for a in allocators)} "
-                f"used; {free} free, largest free extent {largest} (fragmentation "
-                f"{0.0 if not free else 1 - largest / free:.2f}); nothing evictable fits: {leased} bytes leased, "
-                f"{pinned} pinned, {pending} in pending puts, {self.quarantined_bytes()} quarantined")
+                f"bytes used, {free} free, largest free extent {largest} (fragmentation "
+                f"{0.0 if not free else 1 - largest / free:.2f}); {why}")
 
     def _evict_until(self, target_used: int, segments: Sequence[int]) -> None:
         while self._used(segments) > target_used and self._evict_one(segments):
@@ -528,6 +617,9 @@ class Master:
                 break
         if first is None:
             return False
+        if self.fill_at_first_eviction is None:
+            self.fill_at_first_eviction = round(self._used(segments) / sum(self.allocators[i].capacity
+                                                                              for i in segments), 6)
         self._evict_replica(first)
         return True
 

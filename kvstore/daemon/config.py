@@ -20,6 +20,7 @@ class ServerConfig:
     insecure: bool = False
     high_watermark: float = 0.9
     low_watermark: float = 0.8
+    relocate: bool = True  # move unheld host objects to join free space before evicting (kvstore.core.relocation)
     heartbeat_timeout: float = 30.0
     grace: float = 10.0
     gpu_capacity: int = 0  # bytes of GPU segments (0: none)

@@ -56,6 +56,12 @@ class _Publisher:
     def unpublished(self, replica: Replica) -> None:
         self.server.on_unpublished(replica)
 
+    def moving(self, replica: Replica) -> None:
+        self.server.on_moving(replica)
+
+    def moved(self, replica: Replica) -> None:
+        self.server.on_moved(replica)
+
 
 class Server:
     """The daemon. Extension points for subclasses (e.g. a cluster node): ``session_class``,
@@ -172,7 +178,8 @@ class Server:
         self.master = Master(sizes, high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
                              policy=LRUPolicy(self.index.atime), listener=_Publisher(self), tiers=tiers,
                              quota=cfg.quota,
-                             on_evict=self.disk.tiering.evicting if self.disk is not None else None)
+                             on_evict=self.disk.tiering.evicting if self.disk is not None else None,
+                             mover=self.segments.move if cfg.relocate else None)
         self.quarantine = Quarantine(self.master)
         if self.disk is not None:
             self.disk.attach(self.master)
@@ -309,6 +316,18 @@ class Server:
         for fut in self.waiters.pop(meta.key, ()):
             if not fut.done():
                 fut.set_result(meta.key)
+
+    def on_moving(self, replica: Replica) -> None:
+        """The master is about to copy a host object elsewhere (the ranges may overlap): take it out of the
+        shared-memory index first, so that a same-host reader copying it now fails its seqlock check and retries
+        (finding no slot, it asks the daemon, which answers after the move)."""
+        self.index.unpublish(replica.key, replica.id)
+
+    def on_moved(self, replica: Replica) -> None:
+        """The relocated object's bytes are at its new offset: show it there again."""
+        meta = replica.meta
+        self.index.publish(meta.key, replica.id, replica.segment, replica.offset, meta.size, replica.expires_at,
+                           meta.checksum)
 
     def on_unpublished(self, replica: Replica) -> None:
         self.index.unpublish(replica.key, replica.id)

@@ -34,6 +34,12 @@ class Segment:
     def view(self, offset: int, length: int) -> memoryview:
         return self.shm.buf[offset:offset + length]
 
+    def move(self, src: int, dst: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from ``src`` to ``dst`` inside this segment (a relocation by the master). The ranges
+        may overlap: memoryview slice assignment is a memmove."""
+        buf = self.shm.buf
+        buf[dst:dst + nbytes] = buf[src:src + nbytes]
+
     def close(self, unlink: bool = True) -> None:
         if unlink and self.shm.owner:
             self.shm.unlink()
@@ -55,6 +61,10 @@ class SegmentSet:
 
     def __getitem__(self, i: int) -> Segment:
         return self.segments[i]
+
+    def move(self, segment: int, src: int, dst: int, nbytes: int) -> None:
+        """The master's mover (:data:`kvstore.core.master.Mover`) for these segments."""
+        self.segments[segment].move(src, dst, nbytes)
 
     def describe(self) -> list[list]:
         """[[id, name, size], ...] for clients to map."""
