@@ -1,6 +1,8 @@
 """Build of kvstore's native extensions; project metadata lives in pyproject.toml.
 
-* ``kvstore._C`` (pybind11, C++17): CPU gather/scatter of paged-KV blocks. Always built.
+* ``kvstore._C`` (pybind11, C++17): CPU gather/scatter of paged-KV blocks. Always built. Its fused-checksum
+  entries dlopen ``libxxhash.so.0`` at first use (no xxhash headers or link needed; without the library they
+  report themselves unavailable and callers hash in Python).
 * ``kvstore._C_cuda`` (pybind11 + CUDA): the GPU kernels and the CUDA runtime helpers of the GPU data path
   (IPC handles, pinned host ranges, copies and events on a caller's stream), linked with the static CUDA
   runtime so that no runtime library path is needed. Built when ``nvcc`` is found; ``KVSTORE_CUDA=0`` skips
@@ -142,7 +144,8 @@ class BuildExt(build_ext):
 
 def _extensions() -> list[Pybind11Extension]:
     exts = [Pybind11Extension("kvstore._C", [str(CSRC / "pack_cpu.cpp")], include_dirs=[str(CSRC)],
-                              depends=[str(CSRC / "page_plan.h")], cxx_std=17, extra_compile_args=HOST_FLAGS)]
+                              depends=[str(CSRC / "page_plan.h")], cxx_std=17, extra_compile_args=HOST_FLAGS,
+                              libraries=["dl"])]  # dlopen of libxxhash.so.0 (fused checksums), not linked
     mode = _cuda_mode()
     if mode == "off":
         return exts

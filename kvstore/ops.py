@@ -10,6 +10,16 @@ Both ops are ``torch.library.custom_op``s (``kvstore::gather_pages``, ``kvstore:
 implementations, so they work under ``torch.compile``. Every input is validated before a kernel runs; errors
 are ``TypeError`` (wrong kind of thing) or ``ValueError`` (wrong value), naming expected and actual values.
 On CUDA the block-id range check reads the ids back, which waits for the caller's current stream.
+
+Fused checksums (CPU only, eager only: outside the registered ops): ``gather_pages(..., checksum=True)`` also
+returns the xxh3-64 of the packed bytes, computed by the extension as it writes them (each ~256 KiB piece is
+hashed right after it is copied, while in cache, in packed order: the value equals
+``xxhash.xxh3_64_intdigest`` of the whole buffer); ``scatter_pages(..., expect_checksum=c)`` hashes the packed
+source as it reads it and raises :class:`~kvstore.errors.ChecksumError` when it differs from ``c`` — after the
+bytes were written, so the caller must treat those blocks as failed (never as loaded). The extension loads
+``libxxhash.so.0`` at first use; where it is missing, or with ``KVSTORE_NO_FUSED_HASH=1`` in the environment,
+both fall back to a separate pass in Python with the same results (the fallback scatter verifies *before*
+writing). :func:`fused_checksums` says which path runs.
 """
 
 from __future__ import annotations
@@ -17,17 +27,20 @@ from __future__ import annotations
 import collections
 import functools
 import importlib
+import os
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
+from kvstore.errors import ChecksumError
 from kvstore.layout import KVLayout, KVLayoutKind, dtype_name
 
 __all__ = ["packed_shape", "packed_nbytes", "packed_view", "gather_pages", "scatter_pages", "prepare_gather_pages",
-           "prepare_scatter_pages"]
+           "prepare_scatter_pages", "fused_checksums"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -88,7 +101,7 @@ def _as_packed(packed, layout: KVLayout, block_ids, writable: bool) -> torch.Ten
 
 
 def gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor, *,
-                 layout: KVLayout) -> torch.Tensor:
+                 layout: KVLayout, checksum: bool = False):
     """Copy blocks ``block_ids`` of every layer into ``out`` and return ``out``.
 
     ``kv_caches``: one tensor per layer, each of shape ``layout.cache_shape(num_cache_blocks)`` (any strides);
@@ -96,25 +109,60 @@ def gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out
     ``out``: contiguous, ``packed_shape(layout, len(block_ids))``, the caches' dtype and device, not
     overlapping any cache — or a writable buffer of exactly that many bytes (e.g. memory reserved in a store,
     see :func:`packed_view`; CPU caches only). Raises TypeError/ValueError before anything is copied.
+
+    ``checksum=True`` (CPU caches; not traced by ``torch.compile``) returns ``(out, xxh3)`` instead: the
+    xxh3-64 of the packed bytes, hashed inside the copy (see the module docstring and :func:`fused_checksums`).
     """
     out = _as_packed(out, layout, block_ids, writable=True)
     kv_caches = _check_call(layout, kv_caches, block_ids, out, "out")
+    if checksum:
+        return out, _hashed_copy(layout.kind.value, kv_caches, block_ids, out, gather=True)
     torch.ops.kvstore.gather_pages(kv_caches, block_ids, out, layout.kind.value)
     return out
 
 
 def scatter_pages(src: torch.Tensor, block_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor], *,
-                  layout: KVLayout) -> None:
+                  layout: KVLayout, expect_checksum: int | None = None) -> None:
     """Copy the packed ``src`` into blocks ``block_ids`` of every layer's cache (in place).
 
     Shapes as for :func:`gather_pages`, with ``src`` in the place of ``out``. ``block_ids`` must not repeat
     (two writes to one block would race), and the caches must be distinct, non-self-overlapping tensors that
     do not overlap ``src``. ``src`` may also be a buffer (e.g. a store's leased zero-copy view; CPU caches
     only). Raises TypeError/ValueError before anything is copied.
+
+    ``expect_checksum`` (CPU caches; not traced): the xxh3-64 ``src`` must have. It is hashed while it is
+    copied, and a mismatch raises :class:`~kvstore.errors.ChecksumError` (``.expected``, ``.actual``) *after*
+    the blocks were written with the bad bytes: treat them as failed. (The Python fallback checks first and
+    writes nothing; either way the error means "these blocks are not loaded".)
     """
     src = _as_packed(src, layout, block_ids, writable=False)
     kv_caches = _check_call(layout, kv_caches, block_ids, src, "src")
+    if expect_checksum is not None:
+        if isinstance(expect_checksum, bool) or not isinstance(expect_checksum, int) or \
+                not 0 <= expect_checksum < 1 << 64:
+            raise TypeError(f"expect_checksum must be an unsigned 64-bit int or None, got {expect_checksum!r}")
+        actual = _hashed_copy(layout.kind.value, kv_caches, block_ids, src, gather=False, expect=expect_checksum)
+        if actual != expect_checksum:
+            error = ChecksumError(f"packed source has xxh3 {actual:#018x}, expected {expect_checksum:#018x}; blocks "
+                                  f"{_ids_text(block_ids)} hold unverified bytes: treat them as failed")
+            error.expected, error.actual = expect_checksum, actual
+            raise error
+        return
     torch.ops.kvstore.scatter_pages(src, block_ids, kv_caches, layout.kind.value)
+
+
+def fused_checksums() -> str | None:
+    """None when ``checksum=`` / ``expect_checksum=`` hash inside the copy; else why they fall back to a
+    separate Python pass (``KVSTORE_NO_FUSED_HASH=1`` set, the extension not built, or ``libxxhash.so.0``
+    not loadable — ``KVSTORE_XXHASH_LIB`` names another file to load)."""
+    if os.environ.get("KVSTORE_NO_FUSED_HASH", "").strip() not in ("", "0"):
+        return "fused checksums disabled by KVSTORE_NO_FUSED_HASH"
+    try:
+        native = _native("_C")
+    except RuntimeError as exc:
+        return str(exc)
+    status = native.xxh3_status() if hasattr(native, "xxh3_status") else "the extension predates fused checksums"
+    return f"fused checksums unavailable: {status}" if status else None
 
 
 def prepare_gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor, *,
@@ -168,6 +216,41 @@ class _PreparedCopy:
 
     def __call__(self) -> None:
         _launch(self.pages, self.ptrs, self.ids, self.packed, self.gather)
+
+
+def _hashed_copy(layout_kind: str, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, packed: torch.Tensor,
+                 gather: bool, expect: int | None = None) -> int:
+    """Every check of the registered op, then the copy with the xxh3-64 of the packed bytes (fused, or a Python
+    pass after a gather / before a scatter, which then copies only when the digest is ``expect``)."""
+    name = "out" if gather else "src"
+    pages = _inspect(layout_kind, kv_caches, block_ids, packed, name)
+    if packed.device.type != "cpu":
+        raise ValueError(f"{name}: fused checksums need CPU caches and a CPU packed buffer, got device "
+                         f"{packed.device}")
+    ids = _checked_ids(block_ids, pages.num_cache_blocks, unique=not gather)
+    ptrs = [t.data_ptr() for t in kv_caches]
+    if not gather:
+        _check_writable_caches(kv_caches, ptrs)
+    _check_disjoint(packed, name, kv_caches, ptrs, ids, gather=gather)
+    if fused_checksums() is None and ids.numel():
+        return _launch(pages, ptrs, ids, packed, gather, hashed=True)
+    if gather:
+        _launch(pages, ptrs, ids, packed, gather)
+        return xxhash.xxh3_64_intdigest(_bytes_of(packed))
+    _checked_ids(block_ids, pages.num_cache_blocks, unique=True, here=True)  # bad ids first, not a checksum error
+    actual = xxhash.xxh3_64_intdigest(_bytes_of(packed))
+    if actual == expect:
+        _launch(pages, ptrs, ids, packed, gather)
+    return actual
+
+
+def _bytes_of(packed: torch.Tensor) -> memoryview:
+    return memoryview(packed.reshape(-1).view(torch.uint8).numpy())
+
+
+def _ids_text(block_ids: torch.Tensor) -> str:
+    ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
+    return str(ids) if len(ids) <= 16 else f"{ids[:16]} (+{len(ids) - 16} more)"
 
 
 # -- the registered ops --------------------------------------------------------------------------------------
@@ -322,15 +405,16 @@ def _check_packed(packed, name: str, expected: tuple, cache: torch.Tensor) -> No
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {packed.stride()}")
 
 
-def _checked_ids(block_ids: torch.Tensor, num_cache_blocks: int, unique: bool) -> torch.Tensor:
+def _checked_ids(block_ids: torch.Tensor, num_cache_blocks: int, unique: bool, here: bool = False) -> torch.Tensor:
     """Contiguous ids, checked for range (and, for scatter, repeats) before any kernel sees them.
 
     CUDA ids are reduced on the device and read back as three numbers (one wait for the current stream).
     CPU ids are checked by the extension itself, with the same messages, before it copies a byte: reading
-    them from Python costs ~100 us once a large copy has evicted the CPU caches.
+    them from Python costs ~100 us once a large copy has evicted the CPU caches (``here=True`` checks CPU ids
+    here too: for a caller that may not reach the extension).
     """
     ids = block_ids.contiguous()
-    if ids.numel() == 0 or ids.device.type == "cpu":
+    if ids.numel() == 0 or (ids.device.type == "cpu" and not here):
         return ids
     if unique:
         ordered = torch.sort(ids).values
@@ -407,19 +491,27 @@ def _native(name: str):
         raise RuntimeError(f"{hint} ({exc})") from exc
 
 
-def _launch(pages: _Pages, ptrs: list[int], ids: torch.Tensor, packed: torch.Tensor, gather: bool) -> None:
-    """Runs (CPU) or enqueues (CUDA) one kernel; ``ptrs`` are the layers' base addresses."""
+def _launch_args(pages: _Pages, ids: torch.Tensor, packed: torch.Tensor) -> dict:
+    return dict(block_ids=ids.data_ptr(), ids_int64=ids.dtype == torch.int64, num_ids=ids.numel(),
+                num_cache_blocks=pages.num_cache_blocks, block_stride=pages.block_stride,
+                dim_sizes=pages.dim_sizes, dim_strides=pages.dim_strides, itemsize=pages.itemsize,
+                packed=packed.data_ptr())
+
+
+def _launch(pages: _Pages, ptrs: list[int], ids: torch.Tensor, packed: torch.Tensor, gather: bool,
+            hashed: bool = False) -> int | None:
+    """Runs (CPU) or enqueues (CUDA) one kernel; ``ptrs`` are the layers' base addresses. ``hashed`` (CPU):
+    the fused-checksum kernel, returning the xxh3-64 of the packed bytes."""
     if ids.numel() == 0:
-        return
-    common = dict(block_ids=ids.data_ptr(), ids_int64=ids.dtype == torch.int64, num_ids=ids.numel(),
-                  num_cache_blocks=pages.num_cache_blocks, block_stride=pages.block_stride,
-                  dim_sizes=pages.dim_sizes, dim_strides=pages.dim_strides, itemsize=pages.itemsize,
-                  packed=packed.data_ptr())
+        return None
+    common = _launch_args(pages, ids, packed)
     if packed.device.type == "cpu":
         native = _native("_C")
-        fn = native.gather_pages if gather else native.scatter_pages
-        fn(layer_ptrs=ptrs, num_threads=torch.get_num_threads(), **common)
-        return
+        if hashed:
+            fn = native.gather_pages_xxh3 if gather else native.scatter_pages_xxh3
+        else:
+            fn = native.gather_pages if gather else native.scatter_pages
+        return fn(layer_ptrs=ptrs, num_threads=torch.get_num_threads(), **common)
     native = _native("_C_cuda")
     device = packed.device
     stream = torch.cuda.current_stream(device)
@@ -428,6 +520,7 @@ def _launch(pages: _Pages, ptrs: list[int], ids: torch.Tensor, packed: torch.Ten
     fn = native.gather_pages if gather else native.scatter_pages
     fn(layer_ptrs=table.data_ptr(), layer_ptr_bits=bits, num_layers=pages.num_layers, device=device.index,
        stream=stream.cuda_stream, **common)
+    return None
 
 
 _TABLE_CAPACITY = 64
