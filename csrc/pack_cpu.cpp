@@ -292,8 +292,8 @@ void hash_item_runs(const Job& job, int64_t begin, int64_t end, Xxh3& hash) {
 // kHashWindowBytes ahead of it (it copies too whenever the next piece is not ready yet).
 template <bool kGather>
 uint64_t run_job_hashed(Job& job, int64_t max_threads, int streaming) {
+  Xxh3 hash;  // throws first when the library is missing
   check_ids(job, /*unique=*/!kGather);
-  Xxh3 hash;
   const PagePlan& p = job.plan;
   const int64_t items = job.num_ids * p.num_layers;
   const int64_t total = items * p.item_bytes;

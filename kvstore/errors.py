@@ -227,6 +227,27 @@ class HandoffAbortedError(KVStoreError):
     code = "HandoffAborted"
 
 
+class HandoffChecksumError(ChecksumError, HandoffAbortedError):
+    """A hand-off chunk's bytes differ from the xxh3 its producer recorded at commit (``KVHandoff.fetch`` /
+    ``fetch_prefix``). ``key`` names the chunk; ``failed_blocks`` are the consumer's block ids that were not
+    loaded — the bad chunk's and every later chunk's — and ``loaded_blocks`` those of the earlier chunks,
+    written and verified.
+
+    Not rolled back: with verification fused into the scatter (CPU caches) the bad chunk's blocks were written
+    before its hash was known, so their bytes are undefined; treat every ``failed_blocks`` id as not loaded
+    (an engine recomputes them). The stored chunk is left as it is. Retrying reads the same bytes: recompute.
+    """
+
+    code = "HandoffChecksum"
+
+    def __init__(self, message: str, key: str = "", failed_blocks: tuple[int, ...] = (),
+                 loaded_blocks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.key = key
+        self.failed_blocks = tuple(failed_blocks)
+        self.loaded_blocks = tuple(loaded_blocks)
+
+
 class ServerError(KVStoreError):
     """The daemon hit an unexpected internal error while serving the request (logged on the daemon).
 

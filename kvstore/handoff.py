@@ -35,7 +35,9 @@ from kvstore.client.reservation import Reservation
 from kvstore.client.store import KVStore
 from kvstore.core.meta import RequestMeta
 from kvstore.errors import (
+    ChecksumError,
     HandoffAbortedError,
+    HandoffChecksumError,
     HandoffTimeoutError,
     InvalidArgumentError,
     KeyNotFoundError,
@@ -142,7 +144,9 @@ class KVHandoff:
 
     def _gather_chunk(self, batch: Reservation, key: str, kv_caches: Sequence[torch.Tensor],
                       ids: torch.Tensor) -> int:
-        """Reserve one chunk, gather its blocks into it, and return its xxh3 (taken right after the copy)."""
+        """Reserve one chunk, gather its blocks into it, and return its xxh3: computed by the gather itself on CPU
+        caches (each piece hashed as it is written, see ``ops.gather_pages(checksum=True)``), by a pass after
+        the device-to-host copy on CUDA."""
         shape = ops.packed_shape(self.layout, len(ids))
         view = batch.add(key, ops.packed_nbytes(self.layout, len(ids)), kind="torch",
                          dtype=dtype_name(self.layout.dtype), shape=shape)
@@ -150,9 +154,8 @@ class KVHandoff:
             staged = torch.empty(shape, dtype=self.layout.dtype, device=ids.device)
             ops.gather_pages(kv_caches, ids, staged, layout=self.layout)
             ops.packed_view(view, self.layout, len(ids)).copy_(staged)
-        else:
-            ops.gather_pages(kv_caches, ids, view, layout=self.layout)
-        return xxhash.xxh3_64_intdigest(view)
+            return xxhash.xxh3_64_intdigest(view)
+        return ops.gather_pages(kv_caches, ids, view, layout=self.layout, checksum=True)[1]
 
     def _commit(self, rid: str, batch: Reservation, names: list[str], chunk_blocks: tuple[int, ...],
                 checksums: list[int], num_tokens: int, token_ids, ttl: float) -> RequestMeta:
@@ -193,9 +196,16 @@ class KVHandoff:
     def fetch(self, request_id: str, kv_caches: Sequence[torch.Tensor], block_ids: Any, *, timeout: float = 5.0,
               num_tokens: int | None = None, keep: bool = False, verify: bool = True) -> RequestMeta:
         """Wait for the request (notified by the store), check it against this side's layout and block
-        count, verify every chunk's checksum, and only then scatter it into ``kv_caches[block_ids]``.
-        ``verify=False`` skips the checksum pass (xxh3 reads every byte once more: measured by
-        ``python -m benchmarks.bench_handoff``); the layout and size checks always run.
+        count (every chunk's size and dtype too, before a byte is written), then scatter it into
+        ``kv_caches[block_ids]``, verifying every chunk against the xxh3 its producer recorded at commit.
+
+        On CPU caches the verification is fused with the scatter (each piece of a chunk is hashed as it is
+        read; ``ops.scatter_pages(expect_checksum=...)``); on CUDA caches every chunk is hashed before anything
+        is written. A mismatch raises HandoffChecksumError (a ChecksumError and a HandoffAbortedError) naming
+        the chunk, with ``failed_blocks``: the ids of the bad chunk and of every later chunk, which are not
+        loaded (their bytes are undefined: recompute them), and ``loaded_blocks``, the verified ones before it.
+        ``verify=False`` skips the hash; the layout and size checks always run. The default (True) is the
+        measured choice: fused, verification costs <see docs/architecture.md "Checksums"> of a fetch.
 
         Raises LayoutMismatchError (cache untouched), HandoffTimeoutError, HandoffAbortedError. Afterwards
         the request's meta is removed, and so are its request-scoped chunks unless ``keep=True``; chunks
@@ -228,7 +238,9 @@ class KVHandoff:
 
     def fetch_prefix(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], block_ids: Any) -> int:
         """Scatter the stored chunks of the longest stored prefix of ``token_ids`` into the first blocks of
-        ``block_ids``; returns the number of tokens fetched (0 if none)."""
+        ``block_ids``; returns the number of tokens fetched (0 if none). Every chunk is verified against its
+        recorded checksum (fused with the scatter on CPU caches); a bad one raises HandoffChecksumError as in
+        :meth:`fetch`."""
         n_tokens = self.lookup(token_ids)
         if n_tokens == 0:
             return 0
@@ -238,18 +250,27 @@ class KVHandoff:
         items = [(key, ids[i * self.chunk_blocks:min((i + 1) * self.chunk_blocks, n_blocks)])
                  for i, key in enumerate(keys)]
         leased: list = []
+        on_cpu = ids.device.type == "cpu"
         try:
             for key, chunk_ids in items:
-                try:
-                    obj = self.store.get(key, copy=False, verify=True)
+                try:  # verified here on CUDA caches, inside the scatter (fused) on CPU caches
+                    obj = self.store.get(key, copy=False, verify=not on_cpu)
                 except KeyNotFoundError:
                     return 0  # evicted since lookup: nothing written, the caller recomputes
                 leased.append(obj)
                 check_object(obj.meta, self.layout, len(chunk_ids))
-            for obj, (_, chunk_ids) in zip(leased, items, strict=True):
+            start = 0
+            for obj, (key, chunk_ids) in zip(leased, items, strict=True):
                 src = ops.packed_view(memoryview(obj), self.layout, len(chunk_ids))
-                ops.scatter_pages(src if ids.device.type == "cpu" else src.to(ids.device), chunk_ids, kv_caches,
-                                  layout=self.layout)
+                if not on_cpu:
+                    ops.scatter_pages(src.to(ids.device), chunk_ids, kv_caches, layout=self.layout)
+                else:
+                    try:
+                        ops.scatter_pages(src, chunk_ids, kv_caches, layout=self.layout,
+                                          expect_checksum=obj.meta.checksum)
+                    except ChecksumError as exc:
+                        raise _checksum_error("prefix", key, ids, start, exc.actual, obj.meta.checksum) from None
+                start += len(chunk_ids)
                 del src
         finally:
             for obj in leased:
@@ -334,29 +355,39 @@ class KVHandoff:
 
     def _scatter_chunks(self, meta: RequestMeta, ids: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                         verify: bool = True) -> None:
-        """Lease every chunk (zero-copy views where the store is mapped), verify each against the checksum the
-        producer published, and only then scatter them straight from the store's memory into the caches."""
+        """Lease every chunk (zero-copy views where the store is mapped) and check its size and dtype, then
+        scatter them straight from the store's memory into the caches, verifying each against the checksum the
+        producer published: inside the scatter on CPU caches, before anything is written on CUDA caches."""
         leased: list = []
         n_blocks = meta.chunk_blocks
+        on_cpu = ids.device.type == "cpu"
         try:
-            for key, checksum in zip(meta.chunk_keys, meta.checksums, strict=True):
+            for key in meta.chunk_keys:
                 try:
                     leased.append(self.store.get(key, copy=False))
                 except KeyNotFoundError as exc:
                     raise HandoffAbortedError(f"request {meta.request_id!r}: a chunk is gone (evicted or expired): "
                                               f"{exc}; recompute") from None
                 check_object(leased[-1].meta, self.layout, n_blocks[len(leased) - 1])
-                actual = xxhash.xxh3_64_intdigest(memoryview(leased[-1])) if verify else checksum
-                if actual != checksum:
-                    raise HandoffAbortedError(f"request {meta.request_id!r}: chunk {key} has checksum {actual:#x}, "
-                                              f"the producer published {checksum:#x}; nothing was written")
-            start = 0
-            for obj, n in zip(leased, meta.chunk_blocks, strict=True):
+            starts = [sum(n_blocks[:i]) for i in range(len(n_blocks))]
+            if verify and not on_cpu:
+                for i, (obj, checksum) in enumerate(zip(leased, meta.checksums, strict=True)):
+                    actual = xxhash.xxh3_64_intdigest(memoryview(obj))
+                    if actual != checksum:
+                        raise _checksum_error(meta.request_id, meta.chunk_keys[i], ids, starts[i], actual, checksum)
+            for i, (obj, n, checksum) in enumerate(zip(leased, n_blocks, meta.checksums, strict=True)):
                 src = ops.packed_view(memoryview(obj), self.layout, n)
-                chunk_ids = ids[start:start + n]
-                ops.scatter_pages(src if ids.device.type == "cpu" else src.to(ids.device), chunk_ids, kv_caches,
-                                  layout=self.layout)
-                start += n
+                chunk_ids = ids[starts[i]:starts[i] + n]
+                if not on_cpu:
+                    ops.scatter_pages(src.to(ids.device), chunk_ids, kv_caches, layout=self.layout)
+                elif verify:
+                    try:
+                        ops.scatter_pages(src, chunk_ids, kv_caches, layout=self.layout, expect_checksum=checksum)
+                    except ChecksumError as exc:
+                        raise _checksum_error(meta.request_id, meta.chunk_keys[i], ids, starts[i], exc.actual,
+                                              checksum) from None
+                else:
+                    ops.scatter_pages(src, chunk_ids, kv_caches, layout=self.layout)
                 del src
         finally:
             for obj in leased:
@@ -415,6 +446,21 @@ def _token_hash(token_ids) -> str:
         return ""
     data = torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().astype("<i8").tobytes()
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _checksum_error(what: str, key: str, ids: torch.Tensor, start: int, actual: int,
+                    expected: int) -> HandoffChecksumError:
+    """The error for a bad chunk whose first block is ``ids[start]``: it and every later block are not loaded."""
+    failed, loaded = tuple(ids[start:].tolist()), tuple(ids[:start].tolist())
+    return HandoffChecksumError(
+        f"request {what!r}: chunk {key} has checksum {actual:#x}, the producer published {expected:#x}; blocks "
+        f"{_short(failed)} are not loaded (recompute them)"
+        + (f", blocks {_short(loaded)} were loaded and verified" if loaded else ""),
+        key=key, failed_blocks=failed, loaded_blocks=loaded)
+
+
+def _short(ids: tuple[int, ...]) -> str:
+    return str(list(ids)) if len(ids) <= 16 else f"{list(ids[:16])} (+{len(ids) - 16} more)"
 
 
 def _quietly(fn, key: str) -> None:

@@ -1,6 +1,7 @@
 """KVHandoff: publish/fetch through embedded and daemon stores, mismatch, time-out, cancel, TTL reclaim,
 a producer killed mid-publish, prefix lookup across processes, and fetching into reordered blocks."""
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -9,11 +10,13 @@ import threading
 import time
 
 import handoff_child as child  # noqa: E402
+import numpy as np
 import pytest
 import torch
 from conftest import HELPERS, child_env, flip_byte, wait_until  # noqa: E402
 
 import kvstore
+from kvstore.errors import HandoffChecksumError
 from kvstore.handoff import KVHandoff, request_keys
 
 LAYOUT = child.layout()
@@ -203,19 +206,75 @@ def test_bad_arguments(hstore):
         h.publish("x", child.caches(4), [0], num_tokens=BS, token_ids=[1, 2, 3])
 
 
-def test_a_corrupted_chunk_is_detected_and_nothing_is_written(daemon_factory):
-    """A byte flipped in a stored chunk (bad memory, a stray writer): fetch refuses the whole request before
-    any page reaches the decode cache, so the engine recomputes; verify=False would skip exactly this check."""
+def _corrupt(path, daemon, store, key, at):
+    """Flip one byte of a committed chunk where it is stored, without telling the store: the daemon's shared
+    segment (shm and tcp clients of one daemon), or the embedded store's own memory (via its zero-copy view)."""
+    if daemon is not None:
+        flip_byte(daemon.pid, store, key, at=at)
+        return
+    with store.get(key, copy=False) as obj:
+        address = np.frombuffer(memoryview(obj), dtype=np.uint8).ctypes.data + at
+        ctypes.c_ubyte.from_address(address).value ^= 0xFF
+
+
+@pytest.fixture(params=["embedded", "daemon-shm", "daemon-tcp"])
+def corruptible(request, daemon_factory):
+    """(path, daemon or None, store) for the corruption tests."""
+    if request.param == "embedded":
+        with kvstore.KVStore.embedded(capacity="64MiB") as s:
+            yield request.param, None, s
+        return
     d = daemon_factory(capacity="64MiB")
-    with d.connect("shm") as store:
-        h = KVHandoff(store, LAYOUT, chunk_blocks=2)
-        src = child.caches(8)
-        meta = h.publish("bad", src, [0, 1, 2, 3], num_tokens=4 * BS).wait()
-        flip_byte(d.pid, store, meta.chunk_keys[1], at=7)
-        dst = zeros(8)
-        with pytest.raises(kvstore.HandoffAbortedError, match="checksum"):
-            h.fetch("bad", dst, [4, 5, 6, 7], timeout=5)
-        assert not any(c.any() for c in dst), "a corrupted request wrote pages"
+    with d.connect("shm" if request.param == "daemon-shm" else "tcp") as s:
+        yield request.param, d, s
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "python-fallback"])
+def test_a_corrupted_chunk_is_detected_on_fetch_and_reported_as_failed_blocks(corruptible, fused, monkeypatch):
+    """A byte flipped in a stored chunk (bad memory, a stray writer): fetch raises HandoffChecksumError naming
+    the chunk, with that chunk's blocks and every later one as failed_blocks (the engine recomputes them) and the
+    earlier, verified ones as loaded_blocks; verify=False would have taken the bad bytes as valid."""
+    if fused:
+        monkeypatch.delenv("KVSTORE_NO_FUSED_HASH", raising=False)
+        if kvstore.ops.fused_checksums() is not None:
+            pytest.skip(kvstore.ops.fused_checksums())
+    else:
+        monkeypatch.setenv("KVSTORE_NO_FUSED_HASH", "1")
+    path, daemon, store = corruptible
+    h = KVHandoff(store, LAYOUT, chunk_blocks=2)
+    src = child.caches(10)
+    meta = h.publish("bad", src, [0, 1, 2, 3, 4, 5], num_tokens=6 * BS).wait()
+    _corrupt(path, daemon, store, meta.chunk_keys[1], at=7)
+    dst = zeros(10)
+    with pytest.raises(HandoffChecksumError, match="checksum") as info:
+        h.fetch("bad", dst, [4, 5, 6, 7, 8, 9], timeout=5)
+    err = info.value
+    assert isinstance(err, kvstore.ChecksumError) and isinstance(err, kvstore.HandoffAbortedError)
+    assert err.key == meta.chunk_keys[1] and meta.chunk_keys[1] in str(err)
+    assert err.failed_blocks == (6, 7, 8, 9) and err.loaded_blocks == (4, 5)
+    for c_src, c_dst in zip(src, dst, strict=True):
+        assert torch.equal(c_dst[:, [4, 5]], c_src[:, [0, 1]])  # the verified chunk before it is loaded
+        assert torch.count_nonzero(c_dst[:, [8, 9]]) == 0  # nothing after the bad chunk was written
+        assert torch.count_nonzero(c_dst[:, :4]) == 0
+    # the fused scatter wrote the bad chunk before its hash was known, hence "failed"; the fallback did not
+    assert any(torch.count_nonzero(c[:, [6, 7]]) for c in dst) == fused
+    # the check is what caught it: unverified, the same request loads corrupt pages without complaint
+    h.fetch("bad", dst, [4, 5, 6, 7, 8, 9], timeout=5, verify=False)
+    assert not all(torch.equal(c_dst[:, [6, 7]], c_src[:, [2, 3]]) for c_src, c_dst in zip(src, dst, strict=True))
+
+
+def test_a_corrupted_prefix_chunk_fails_fetch_prefix(corruptible):
+    path, daemon, store = corruptible
+    h = KVHandoff(store, LAYOUT, chunk_blocks=1)
+    tokens = list(range(3 * BS))
+    src = child.caches(6, seed=3)
+    meta = h.publish("pre", src, [0, 1, 2], num_tokens=len(tokens), token_ids=tokens).wait()
+    _corrupt(path, daemon, store, meta.chunk_keys[2], at=1)
+    dst = zeros(6)
+    with pytest.raises(HandoffChecksumError) as info:
+        h.fetch_prefix(tokens, dst, [3, 4, 5])
+    assert info.value.key == meta.chunk_keys[2]
+    assert info.value.failed_blocks == (5,) and info.value.loaded_blocks == (3, 4)
 
 
 @pytest.mark.parametrize("bad", [[0.9, 1.9, 2.9], torch.tensor([0.9, 1.9, 2.9]), torch.tensor([True, False, True]),
