@@ -8,7 +8,8 @@ of the same bytes in the same run.
 Geometry: Llama-3-8B (32 layers, 8 KV heads, head_dim 128, bf16, block 16: 2 MiB a block) in vLLM's
 flash-attention layout; ``--blocks`` blocks with random ids from a cache twice that size, copied in chunks of
 ``--chunk-blocks`` as ``KVHandoff`` does (each chunk into its own buffer, one digest per chunk). Every variant
-copies the same bytes; "x memcpy" is memcpy time / variant time (single-thread memcpy into a pre-faulted buffer).
+copies the same bytes; the variants run round-robin (medians of ``--iters`` rounds); "x memcpy" is memcpy time /
+variant time (single-thread memcpy into a pre-faulted buffer, measured just before).
 """
 
 from __future__ import annotations
@@ -32,7 +33,23 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def run(blocks: int, chunk_blocks: int, threads: list[int], iters: int) -> dict:
+def _native_fused(layout: KVLayout, caches, chunks, outs, gather: bool, piece_bytes: int):
+    """The fused kernel with an explicit hash-piece size (validated once, like ops.prepare_*)."""
+    import kvstore._C as native
+
+    fn = native.gather_pages_xxh3 if gather else native.scatter_pages_xxh3
+    calls = []
+    for c, o in zip(chunks, outs, strict=True):
+        pages = ops._inspect(layout.kind.value, caches, c, o, "out")
+        calls.append(dict(layer_ptrs=[t.data_ptr() for t in caches], **ops._launch_args(pages, c, o)))
+
+    def run():
+        for kwargs in calls:
+            fn(**kwargs, num_threads=torch.get_num_threads(), piece_bytes=piece_bytes)
+    return run
+
+
+def run(blocks: int, chunk_blocks: int, threads: list[int], iters: int, pieces: list[int] = ()) -> dict:
     layout = KVLayout(**LLAMA)
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn(layout.cache_shape(2 * blocks), generator=gen).to(layout.dtype)
@@ -77,14 +94,23 @@ def run(blocks: int, chunk_blocks: int, threads: list[int], iters: int) -> dict:
 
     variants = {"gather": gather, "gather + xxh3 pass": gather_then_hash, "gather, fused xxh3": gather_fused,
                 "scatter": scatter, "xxh3 pass + scatter": hash_then_scatter, "scatter, fused xxh3": scatter_fused}
+    for kib in pieces:
+        variants[f"gather fused, {kib} KiB"] = _native_fused(layout, caches, chunks, outs, True, kib << 10)
+        variants[f"scatter fused, {kib} KiB"] = _native_fused(layout, dst, chunks, outs, False, kib << 10)
     rows = []
     saved = torch.get_num_threads()
     try:
         for n_threads in threads:
             torch.set_num_threads(n_threads)
             base = memcpy(nbytes, iters)
-            for name, fn in variants.items():
-                t = timing_of(nbytes, sample(fn, iters, 2))
+            for fn in variants.values():  # warm-up
+                fn()
+            times: dict[str, list[float]] = {name: [] for name in variants}
+            for _ in range(iters):  # round-robin, so that every variant sees the same machine load
+                for name, fn in variants.items():
+                    times[name].extend(sample(fn, 1, 0))
+            for name in variants:
+                t = timing_of(nbytes, times[name])
                 rows.append({"threads": n_threads, "op": name, "bytes": nbytes, "p50_ms": t.p50_s * 1e3,
                              "gbps": t.gbps, "memcpy_gbps": base.gbps, "x_memcpy": base.p50_s / t.p50_s})
     finally:
@@ -99,13 +125,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-blocks", type=int, default=16)
     parser.add_argument("--threads", default="1,2", help="torch thread counts to run with (default %(default)s)")
     parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--pieces", default="", help="also time the fused kernels with these hash-piece sizes "
+                        "(KiB, comma-separated)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    result = run(args.blocks, args.chunk_blocks, [int(t) for t in args.threads.split(",")], args.iters)
+    result = run(args.blocks, args.chunk_blocks, [int(t) for t in args.threads.split(",")], args.iters,
+                 [int(k) for k in args.pieces.split(",") if k])
     print(f"# fused checksum benchmark — {describe(result['machine'])}; fused: {result['fused']}")
-    print(f"{'threads':>7} {'op':<22} {'p50 ms':>8} {'GB/s':>6} {'memcpy':>7} {'x memcpy':>8}")
+    print(f"{'threads':>7} {'op':<24} {'p50 ms':>8} {'GB/s':>6} {'memcpy':>7} {'x memcpy':>8}")
     for r in result["rows"]:
-        print(f"{r['threads']:>7} {r['op']:<22} {r['p50_ms']:>8.2f} {r['gbps']:>6.2f} {r['memcpy_gbps']:>7.2f} "
+        print(f"{r['threads']:>7} {r['op']:<24} {r['p50_ms']:>8.2f} {r['gbps']:>6.2f} {r['memcpy_gbps']:>7.2f} "
               f"{r['x_memcpy']:>8.2f}")
     if args.json:
         with open(args.json, "w") as f:

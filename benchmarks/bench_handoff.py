@@ -3,6 +3,7 @@ a real ``kvstore serve`` daemon (shm and tcp), against a memcpy of the same byte
 
     python -m benchmarks.bench_handoff [--blocks 1,16,64,256] [--layouts llama,mla] [--json PATH] [--plot PNG]
                                        [--no-mooncake]
+    python -m benchmarks.bench_handoff --checksums [--blocks 16,64] [--paths ...] [--json PATH]
 
 Geometry: Llama-3-8B (32 layers, 8 KV heads, head_dim 128, bf16, block 16: 2 MiB a block) in vLLM's
 flash-attention layout, and an MLA layout (DeepSeek-V3-like: 61 layers, latent 576, bf16, block 64). Block ids
@@ -12,7 +13,9 @@ baseline copies the request's bytes once into a pre-faulted buffer (single threa
 0.7x and fetch >= 0.8x of it, publish + fetch <= 2.5x one memcpy. ``copy path`` rows time the v1 method in the
 same run (gather into a fresh tensor + ``batch_put``; ``batch_get_into`` + hash + scatter) for comparison.
 When Mooncake Store is installed, its ``batch_put_from`` / ``batch_get_into`` of the same chunks over TCP is
-measured in the same run (the anchor; ``--no-mooncake`` skips it).
+measured in the same run (the anchor; ``--no-mooncake`` skips it). ``--checksums`` measures instead what the
+chunk checksums cost: publish and fetch with the checksum fused into the gather/scatter, with a separate xxh3
+pass (the fallback), and fetch with ``verify=False``, round-robin in one process beside a memcpy.
 """
 
 from __future__ import annotations
@@ -163,6 +166,75 @@ def run(blocks: list[int], layouts: list[str], kinds: list[str], iters: int, dev
     return result
 
 
+def checksum_ab(blocks: list[int], kinds: list[str], iters: int) -> dict:
+    """``--checksums``: the cost of the chunk checksums, fused into the gather/scatter or as a separate xxh3 pass
+    (``KVSTORE_NO_FUSED_HASH=1``, the code's own fallback), and of ``verify`` at all, per transport. The variants
+    run round-robin in one process with a memcpy of the same bytes in every round, so each sees the same load."""
+    import os
+
+    import numpy as np
+
+    torch.set_num_threads(1)
+    layout = KVLayout(**LAYOUTS["llama"])
+    biggest = max(blocks)
+    src, dst = _caches(layout, 2 * biggest, True, "cpu"), _caches(layout, 2 * biggest, False, "cpu")
+    capacity = f"{max(64, 4 * ops.packed_nbytes(layout, biggest) >> 20)}MiB"
+    rows = []
+
+    def separate(on: bool) -> None:
+        if on:
+            os.environ["KVSTORE_NO_FUSED_HASH"] = "1"
+        else:
+            os.environ.pop("KVSTORE_NO_FUSED_HASH", None)
+
+    with _stores(kinds, capacity) as stores:
+        for path, store in stores.items():
+            for b in blocks:
+                gen = torch.Generator().manual_seed(b)
+                src_ids = torch.randperm(2 * b, generator=gen)[:b]
+                dst_ids = torch.randperm(2 * b, generator=gen)[:b]
+                handoff = KVHandoff(store, layout)
+                nbytes = ops.packed_nbytes(layout, b)
+                m_src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+                m_dst = np.ones(nbytes, dtype=np.uint8)
+                times: dict[str, list[float]] = {}
+                n = max(3, min(iters, (2 << 30) // nbytes))
+                for i in range(n + 1):  # round 0 warms up
+                    t0 = time.perf_counter()
+                    m_dst[:] = m_src
+                    record = {"memcpy": time.perf_counter() - t0}
+                    for variant, sep, verify in (("fused", False, True), ("separate pass", True, True),
+                                                 ("verify=False", False, False)):
+                        separate(sep)
+                        rid = f"ab-{path}-{b}-{i}-{variant}"
+                        t0 = time.perf_counter()
+                        handoff.publish(rid, src, src_ids, num_tokens=b * layout.block_size).wait()
+                        t1 = time.perf_counter()
+                        handoff.fetch(rid, dst, dst_ids, timeout=30, verify=verify)
+                        t2 = time.perf_counter()
+                        if variant != "verify=False":
+                            record[f"publish, {variant}"] = t1 - t0
+                        record[f"fetch, {variant}"] = t2 - t1
+                    separate(False)
+                    if i:
+                        for k, v in record.items():
+                            times.setdefault(k, []).append(v)
+                base = timing_of(nbytes, times.pop("memcpy"))
+                for op, ts in times.items():
+                    t = timing_of(nbytes, ts)
+                    rows.append({"path": path, "blocks": b, "bytes": nbytes, "op": op, "p50_ms": t.p50_s * 1e3,
+                                 "gbps": t.gbps, "memcpy_gbps": base.gbps, "x_memcpy": base.p50_s / t.p50_s})
+    return {"machine": describe(machine()), "fused": ops.fused_checksums() or "yes", "rows": rows}
+
+
+def print_checksum_ab(result: dict) -> None:
+    print(f"# hand-off checksum cost, round-robin in one process — {result['machine']}; fused: {result['fused']}")
+    print(f"{'path':<11} {'blocks':>6} {'MiB':>5} {'op':<24} {'p50 ms':>8} {'GB/s':>6} {'memcpy':>7} {'x memcpy':>8}")
+    for r in result["rows"]:
+        print(f"{r['path']:<11} {r['blocks']:>6} {r['bytes'] / 2**20:>5.0f} {r['op']:<24} {r['p50_ms']:>8.2f} "
+              f"{r['gbps']:>6.2f} {r['memcpy_gbps']:>7.2f} {r['x_memcpy']:>8.2f}")
+
+
 def mooncake_anchor(blocks: list[int], rows: list[dict], baselines: dict) -> dict:
     """Mooncake Store in the same run: ``batch_put_from`` / ``batch_get_into`` over its TCP transport of the
     chunks a Llama-3-8B hand-off of each size stores (the same chunk split), from / into one registered buffer.
@@ -250,7 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PNG", help="also plot GB/s against size with the memcpy line")
     parser.add_argument("--no-mooncake", action="store_true", help="do not measure Mooncake Store (the anchor)")
+    parser.add_argument("--checksums", action="store_true", help="instead: the cost of fused vs separate checksums "
+                        "and of verify, per path (llama, CPU caches; round-robin)")
     args = parser.parse_args(argv)
+    if args.checksums:
+        result = checksum_ab([int(b) for b in args.blocks.split(",")], args.paths.split(","), args.iters)
+        print_checksum_ab(result)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
     unknown = set(args.layouts.split(",")) - set(LAYOUTS)
     if unknown:
         parser.error(f"unknown layouts {sorted(unknown)}; known: {sorted(LAYOUTS)}")

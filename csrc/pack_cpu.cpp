@@ -271,6 +271,9 @@ class Xxh3 {
 // Workers may copy at most this far ahead of the hash, so the pieces they leave are still in the shared
 // last-level cache when the hashing thread reads them.
 constexpr int64_t kHashWindowBytes = int64_t{4} << 20;
+// A fused copy hashes pieces of about this many bytes (whole items): small enough to stay in L2 between the copy
+// and the hash.
+constexpr int64_t kHashPieceBytes = int64_t{128} << 10;
 
 // Feeds the runs of items [begin, end) to `hash` in packed order, read from the caches: the bytes a gather
 // just wrote to the packed side, read again from where they are still cached when its stores bypassed the cache.
@@ -291,23 +294,24 @@ void hash_item_runs(const Job& job, int64_t begin, int64_t end, Xxh3& hash) {
 // with several threads, the calling thread hashes pieces in packed order while the others copy at most
 // kHashWindowBytes ahead of it (it copies too whenever the next piece is not ready yet).
 template <bool kGather>
-uint64_t run_job_hashed(Job& job, int64_t max_threads, int streaming) {
+uint64_t run_job_hashed(Job& job, int64_t max_threads, int streaming, int64_t piece_bytes) {
   Xxh3 hash;  // throws first when the library is missing
   check_ids(job, /*unique=*/!kGather);
   const PagePlan& p = job.plan;
   const int64_t items = job.num_ids * p.num_layers;
   const int64_t total = items * p.item_bytes;
   job.streaming = streaming < 0 ? total >= streaming_threshold() && p.run_bytes >= 256 : streaming > 0;
-  const int64_t per_piece = std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, p.item_bytes));
+  if (piece_bytes <= 0) piece_bytes = kHashPieceBytes;
+  const int64_t per_piece = std::max<int64_t>(1, piece_bytes / std::max<int64_t>(1, p.item_bytes));
   const int64_t pieces = (items + per_piece - 1) / per_piece;
-  auto piece_bytes = [&](int64_t c) { return (std::min(items, (c + 1) * per_piece) - c * per_piece) * p.item_bytes; };
+  auto piece_size = [&](int64_t c) { return (std::min(items, (c + 1) * per_piece) - c * per_piece) * p.item_bytes; };
   auto piece_start = [&](int64_t c) { return job.packed + c * per_piece * p.item_bytes; };
   auto copy_piece = [&](int64_t c) { copy_range<kGather>(job, c * per_piece, std::min(items, (c + 1) * per_piece)); };
   auto hash_piece = [&](int64_t c) {
     if (kGather && job.streaming) {
       hash_item_runs(job, c * per_piece, std::min(items, (c + 1) * per_piece), hash);
     } else {
-      hash.update(piece_start(c), piece_bytes(c));
+      hash.update(piece_start(c), piece_size(c));
     }
   };
   const int64_t threads = std::max<int64_t>(1, std::min({max_threads, total / kMinBytesPerThread, pieces}));
@@ -393,11 +397,11 @@ template <bool kGather>
 uint64_t pages_entry_xxh3(std::vector<uintptr_t> layer_ptrs, uintptr_t block_ids, bool ids_int64, int64_t num_ids,
                           int64_t num_cache_blocks, int64_t block_stride, const std::vector<int64_t>& dim_sizes,
                           const std::vector<int64_t>& dim_strides, int64_t itemsize, uintptr_t packed,
-                          int64_t num_threads, int streaming) {
+                          int64_t num_threads, int streaming, int64_t piece_bytes) {
   Job job = make_job(std::move(layer_ptrs), block_ids, ids_int64, num_ids, num_cache_blocks, block_stride, dim_sizes,
                      dim_strides, itemsize, packed);
   if (num_threads <= 0) num_threads = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  return run_job_hashed<kGather>(job, num_threads, streaming);
+  return run_job_hashed<kGather>(job, num_threads, streaming, piece_bytes);
 }
 
 py::dict describe_plan(const std::vector<int64_t>& dim_sizes, const std::vector<int64_t>& dim_strides,
@@ -435,16 +439,20 @@ PYBIND11_MODULE(_C, m) {
         py::arg("itemsize"), py::arg("packed"), py::arg("num_threads") = 0, py::arg("streaming") = -1);
   m.def("gather_pages_xxh3", &kvstore::pages_entry_xxh3<true>, gil,
         (std::string("As gather_pages, and return the xxh3-64 of the packed bytes, hashed as they are written ") +
-         args_doc + " Raises RuntimeError when xxh3_status() is not empty.").c_str(),
+         args_doc + " piece_bytes: hash granularity (<= 0: the default, 128 KiB). Raises RuntimeError when " +
+         "xxh3_status() is not empty.").c_str(),
         py::arg("layer_ptrs"), py::arg("block_ids"), py::arg("ids_int64"), py::arg("num_ids"),
         py::arg("num_cache_blocks"), py::arg("block_stride"), py::arg("dim_sizes"), py::arg("dim_strides"),
-        py::arg("itemsize"), py::arg("packed"), py::arg("num_threads") = 0, py::arg("streaming") = -1);
+        py::arg("itemsize"), py::arg("packed"), py::arg("num_threads") = 0, py::arg("streaming") = -1,
+        py::arg("piece_bytes") = 0);
   m.def("scatter_pages_xxh3", &kvstore::pages_entry_xxh3<false>, gil,
         (std::string("As scatter_pages, and return the xxh3-64 of the packed source, hashed as it is read ") +
-         args_doc + " Raises RuntimeError when xxh3_status() is not empty.").c_str(),
+         args_doc + " piece_bytes: hash granularity (<= 0: the default, 128 KiB). Raises RuntimeError when " +
+         "xxh3_status() is not empty.").c_str(),
         py::arg("layer_ptrs"), py::arg("block_ids"), py::arg("ids_int64"), py::arg("num_ids"),
         py::arg("num_cache_blocks"), py::arg("block_stride"), py::arg("dim_sizes"), py::arg("dim_strides"),
-        py::arg("itemsize"), py::arg("packed"), py::arg("num_threads") = 0, py::arg("streaming") = -1);
+        py::arg("itemsize"), py::arg("packed"), py::arg("num_threads") = 0, py::arg("streaming") = -1,
+        py::arg("piece_bytes") = 0);
   m.def("xxh3_status", &kvstore::xxh3_status,
         "Empty when the fused-checksum entries work; else why not (libxxhash.so.0 missing, or a symbol).");
   m.def("describe_plan", &kvstore::describe_plan, "The coalesced copy plan for one block (for tests and profiling).",

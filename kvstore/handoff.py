@@ -239,8 +239,8 @@ class KVHandoff:
     def fetch_prefix(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], block_ids: Any) -> int:
         """Scatter the stored chunks of the longest stored prefix of ``token_ids`` into the first blocks of
         ``block_ids``; returns the number of tokens fetched (0 if none). Every chunk is verified against its
-        recorded checksum (fused with the scatter on CPU caches); a bad one raises HandoffChecksumError as in
-        :meth:`fetch`."""
+        recorded checksum: fused with the scatter on CPU caches, where a bad one raises HandoffChecksumError
+        as in :meth:`fetch`; on CUDA caches by ``get(verify=True)`` before anything is written (ChecksumError)."""
         n_tokens = self.lookup(token_ids)
         if n_tokens == 0:
             return 0
@@ -269,7 +269,7 @@ class KVHandoff:
                         ops.scatter_pages(src, chunk_ids, kv_caches, layout=self.layout,
                                           expect_checksum=obj.meta.checksum)
                     except ChecksumError as exc:
-                        raise _checksum_error("prefix", key, ids, start, exc.actual, obj.meta.checksum) from None
+                        raise _checksum_error("fetch_prefix", key, ids, start, exc.actual, obj.meta.checksum) from None
                 start += len(chunk_ids)
                 del src
         finally:
@@ -361,6 +361,7 @@ class KVHandoff:
         leased: list = []
         n_blocks = meta.chunk_blocks
         on_cpu = ids.device.type == "cpu"
+        what = f"request {meta.request_id!r}"
         try:
             for key in meta.chunk_keys:
                 try:
@@ -374,7 +375,7 @@ class KVHandoff:
                 for i, (obj, checksum) in enumerate(zip(leased, meta.checksums, strict=True)):
                     actual = xxhash.xxh3_64_intdigest(memoryview(obj))
                     if actual != checksum:
-                        raise _checksum_error(meta.request_id, meta.chunk_keys[i], ids, starts[i], actual, checksum)
+                        raise _checksum_error(what, meta.chunk_keys[i], ids, starts[i], actual, checksum)
             for i, (obj, n, checksum) in enumerate(zip(leased, n_blocks, meta.checksums, strict=True)):
                 src = ops.packed_view(memoryview(obj), self.layout, n)
                 chunk_ids = ids[starts[i]:starts[i] + n]
@@ -384,8 +385,7 @@ class KVHandoff:
                     try:
                         ops.scatter_pages(src, chunk_ids, kv_caches, layout=self.layout, expect_checksum=checksum)
                     except ChecksumError as exc:
-                        raise _checksum_error(meta.request_id, meta.chunk_keys[i], ids, starts[i], exc.actual,
-                                              checksum) from None
+                        raise _checksum_error(what, meta.chunk_keys[i], ids, starts[i], exc.actual, checksum) from None
                 else:
                     ops.scatter_pages(src, chunk_ids, kv_caches, layout=self.layout)
                 del src
@@ -453,7 +453,7 @@ def _checksum_error(what: str, key: str, ids: torch.Tensor, start: int, actual: 
     """The error for a bad chunk whose first block is ``ids[start]``: it and every later block are not loaded."""
     failed, loaded = tuple(ids[start:].tolist()), tuple(ids[:start].tolist())
     return HandoffChecksumError(
-        f"request {what!r}: chunk {key} has checksum {actual:#x}, the producer published {expected:#x}; blocks "
+        f"{what}: chunk {key} has checksum {actual:#x}, the producer published {expected:#x}; blocks "
         f"{_short(failed)} are not loaded (recompute them)"
         + (f", blocks {_short(loaded)} were loaded and verified" if loaded else ""),
         key=key, failed_blocks=failed, loaded_blocks=loaded)
