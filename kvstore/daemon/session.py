@@ -325,11 +325,11 @@ class Session(GpuOps, UcxOps, DiskOps, SessionGuards):
             if self.client is not None:
                 master.abort(replica.id)
             raise
-        replica.meta = replace(replica.meta, checksum=checksum)  # what landed is what is recorded
         self.metrics.bytes_in(meta.size)
         if f["defer"]:
+            replica.meta = replace(replica.meta, checksum=checksum)  # what landed is what is recorded
             return self._ok(rid, put_id=replica.id, checksum=checksum)
-        return self._committed(rid, master.commit(replica.id), checksum=checksum)
+        return self._committed(rid, master.commit(replica.id, checksum), checksum=checksum)
 
     async def op_commit(self, rid: int, f: dict) -> dict:
         master = self.master

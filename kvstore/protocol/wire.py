@@ -80,7 +80,10 @@ def decode(body: bytes | memoryview, limits: DecodeLimits = REQUEST_LIMITS) -> d
             raise _TooManyContainers(f"more than {limits.containers} arrays and maps in one frame")
         return container
 
-    hooks = {} if limits.containers >= MAX_FRAME else {"list_hook": count, "object_hook": count}  # replies: none
+    # every array or map takes at least one byte, so a body no longer than the bound cannot exceed it: the
+    # per-container hook (a Python call each) is only needed for larger frames (and never for replies)
+    small = len(body) <= limits.containers
+    hooks = {} if small or limits.containers >= MAX_FRAME else {"list_hook": count, "object_hook": count}
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=limits.bin,
                                   max_str_len=limits.str, max_array_len=limits.array, max_map_len=limits.map,
@@ -224,13 +227,15 @@ SCHEMA: dict[str, dict[str, Field]] = {
 }
 
 
+#: the field names each op may carry: its schema's and the envelope's
+_ALLOWED: dict[str, frozenset[str]] = {op: frozenset(fields) | {"v", "id", "op", "noreply"}
+                                       for op, fields in SCHEMA.items()}
+
+
 def validate(message: dict) -> tuple[str, int, dict]:
     """Check version, id, op and every field; returns (op, request id, clean fields).
 
     Raises ProtocolError for a bad version or unknown op, InvalidArgumentError/InvalidKeyError for fields."""
-    odd = [k for k in message if not isinstance(k, str)]
-    if odd:  # msgpack maps may mix str and bytes names; ours are str only
-        raise InvalidArgumentError(f"field names must be str, got {odd[0]!r:.80}")
     if message.get("v") != VERSION:
         raise ProtocolError(f"schema version {message.get('v')!r} is not supported (this side speaks {VERSION})")
     rid = message.get("id")
@@ -248,8 +253,11 @@ def validate(message: dict) -> tuple[str, int, dict]:
             raise InvalidArgumentError(f"op {op!r} needs field {name!r}")
         else:
             fields[name] = default
-    unknown = set(message) - set(schema) - {"v", "id", "op", "noreply"}
-    if unknown:
+    if not _ALLOWED[op].issuperset(message):
+        odd = [k for k in message if not isinstance(k, str)]
+        if odd:  # msgpack maps may mix str and bytes names; ours are str only
+            raise InvalidArgumentError(f"field names must be str, got {odd[0]!r:.80}")
+        unknown = set(message) - _ALLOWED[op]
         raise InvalidArgumentError(f"op {op!r} has unknown fields {sorted(unknown)}")
     return op, rid, fields
 
