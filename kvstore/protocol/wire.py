@@ -40,11 +40,14 @@ class DecodeLimits:
     containers: int
 
 
+#: containers one request may hold: an ``arena_commit`` of 4096 objects, each an entry, its meta, its user map
+#: and its shape, with two more maps or arrays of user metadata to spare (about 8 ms of decoding at most)
+COMMIT_CONTAINERS = 6 * 4096 + 256
 #: What the request schema allows: key lists of 4096 (``batch_exists``, ``wait``, ``commit_many``; arrays get
 #: twice that here so that a list just over the limit gets the validator's field error, not a closed
 #: connection), str fields of 4096 characters (up to 4 bytes each), the 64-item user metadata nested 8 deep,
 #: UCX worker addresses of 64 KiB.
-REQUEST_LIMITS = DecodeLimits(array=2 * 4096, map=256, str=4 * 4096, bin=65536, containers=2048)
+REQUEST_LIMITS = DecodeLimits(array=2 * 4096, map=256, str=4 * 4096, bin=65536, containers=COMMIT_CONTAINERS)
 #: Replies come from the daemon the client authenticated (stats, key listings): bounded by the frame.
 REPLY_LIMITS = DecodeLimits(array=MAX_FRAME, map=1 << 16, str=MAX_FRAME, bin=MAX_FRAME, containers=MAX_FRAME)
 
@@ -184,6 +187,27 @@ def _opt_ints(value: Any, name: str) -> list[int | None]:
     return [_opt_int(v, name) for v in value]
 
 
+def _commit_entries(value: Any, name: str) -> list[dict]:
+    """What ``arena_commit`` makes visible, in order: objects written into an arena (``arena``, ``offset``,
+    ``meta``, ``checksum``) and pending puts (``put_id``, ``checksum``)."""
+    if not isinstance(value, list) or not 0 < len(value) <= 4096:
+        raise InvalidArgumentError(f"field {name!r} must be a list of 1 to 4096 entries")
+    out = []
+    for entry in value:
+        if not isinstance(entry, dict):
+            raise InvalidArgumentError(f"field {name!r}: each entry must be a map, got {type(entry).__name__}")
+        names = _ARENA_ENTRY if "arena" in entry else _PUT_ENTRY
+        if set(entry) - set(names) or any(n not in entry for n in names if n != "checksum"):
+            raise InvalidArgumentError(f"field {name!r}: an entry has fields {sorted(map(str, entry))}, "
+                                       f"expected {sorted(names)}")
+        out.append({n: check(entry.get(n), n) for n, check in names.items()})
+    return out
+
+
+_ARENA_ENTRY: dict[str, Callable[[Any, str], Any]] = {"arena": _int, "offset": _int, "meta": _map,
+                                                      "checksum": _opt_int}
+_PUT_ENTRY: dict[str, Callable[[Any, str], Any]] = {"put_id": _int, "checksum": _opt_int}
+
 Field = tuple[Callable[[Any, str], Any], bool, Any]  # validator, required, default
 
 _KEY: dict[str, Field] = {"key": (_key, True, None)}
@@ -204,6 +228,11 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "commit": {"put_id": (_int, True, None), "checksum": (_opt_int, False, None)},
     "commit_many": {"put_ids": (_ints, True, None), "checksums": (_opt_ints, True, None)},
     "abort": {"put_id": (_int, True, None)},
+    # same-host clients' arenas (kvstore.core.arena): granted space they allocate from themselves
+    "arena": {"size": (_int, True, None), "need": (_int, False, 0), "retire": (_ints, False, [])},
+    "arena_release": {"arenas": (_ints, True, None)},
+    "arena_commit": {"entries": (_commit_entries, True, None), "if_absent": (_bool, False, False),
+                     "pin": (_bool, False, False), "ephemeral": (_bool, False, False)},
     "get": dict(_GET),
     "release": {"lease": (_int, True, None)},
     "lease": dict(_KEY),
