@@ -86,9 +86,11 @@ class ArenaLedger:
         may_evict = self.quota.may_evict_for(state.pending_bytes + least)
         capacity = sum(self.allocators[i].capacity for i in segments)
         full = first.aligned(max(nbytes, 1))
-        # a whole arena only out of space the cache is not evicting into; else just the put's block, placed by the
-        # allocator as the put's own would be (packing mixed sizes into a full cache's holes fragments it)
-        whole = full > least and self._used(segments) + full <= self.low * capacity and not (
+        # a whole arena only out of free space the cache is not evicting into, in one extent (nothing is moved or
+        # evicted for it); else just the put's block, placed as the put's own would be (packing mixed sizes into
+        # a full cache's holes fragments it)
+        whole = full > least and self._used(segments) + full <= self.low * capacity \
+            and max(self.allocators[i].largest_free() for i in segments) >= full and not (
             self.quota.max_held_bytes is not None and state.held_bytes
             and state.held_bytes + full > self.quota.max_held_bytes)
         if may_evict and self._used(segments) + least > self.high * capacity:
