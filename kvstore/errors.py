@@ -100,6 +100,17 @@ class InvalidArgumentError(KVStoreError, ValueError):
     code = "InvalidArgument"
 
 
+class ArenaError(InvalidArgumentError):
+    """A put into a same-host client's arena named space that is not that client's free arena space: an arena
+    it does not hold (unknown, released, another client's), or a range outside it or overlapping an object
+    already committed from it.
+
+    Nothing was stored and nothing was freed: the arena is as it was. Retrying the same range cannot help.
+    """
+
+    code = "Arena"
+
+
 class ProtocolError(KVStoreError):
     """A malformed, truncated, oversized or unknown frame, or a schema version this side does not speak.
 

@@ -41,6 +41,7 @@ def _limit_options(args: argparse.Namespace) -> dict:
     return {"max_pending_bytes": parse_size(args.max_pending_bytes) if args.max_pending_bytes else None,
             "max_held_bytes": parse_size(args.max_held_bytes) if args.max_held_bytes else None,
             "max_leases": args.max_leases, "max_connections": args.max_connections,
+            "arena_bytes": parse_size(args.arena_size) if args.arena_size else None,
             "max_connections_per_peer": args.max_connections_per_peer, "auth_timeout": args.auth_timeout,
             "transfer_timeout": args.transfer_timeout}
 
@@ -54,6 +55,10 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="segment bytes per client in pending puts and leases together (one object of any size "
                         "is always allowed); also the most a paused, revoked same-host client can keep "
                         "quarantined (default: three quarters of the capacity)")
+    g.add_argument("--arena-size", metavar="SIZE",
+                   help="segment space granted at a time to a same-host client, which allocates its puts from it "
+                        "itself (one round trip a put); counted in its pending bytes (default: min(64MiB, "
+                        "capacity/16))")
     g.add_argument("--max-leases", type=int, default=16384, metavar="N",
                    help="leases one client may hold at once (default %(default)s)")
     g.add_argument("--max-connections", type=int, default=1024, metavar="N",

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore import transports
+from kvstore.client.arena import ArenaWriter, check_commit_size, commit_fits
 from kvstore.client.device import DirectDeviceMemory
 from kvstore.client.rpc import Connection
 from kvstore.client.staging import Staged
@@ -52,6 +53,7 @@ class RemoteStore(KVStore):
         self._device: DirectDeviceMemory | None = None  # built on first use of device memory
         self._device_reason = ""  # why this connection cannot move device memory, once known
         self._inline = StreamTransport()
+        self._arenas: ArenaWriter | None = None  # shm: puts allocate from daemon-granted space, one round trip
         name = client_name or f"pid-{os.getpid()}"
         try:
             hello = self._open(name, transport)
@@ -89,6 +91,8 @@ class RemoteStore(KVStore):
                 # trusted only while it shows this daemon's generation alive and heart-beating
                 self._index = IndexReader(self._index_shm.buf, self._data.region, hello.get("generation"),
                                           stale_after=max(5.0, float(hello["heartbeat_s"])))
+                if hello.get("arena_bytes"):
+                    self._arenas = ArenaWriter(self._conn, self._data, hello["arena_bytes"])
         except (TransportFailure, SharedMemoryError) as exc:
             self._conn.close()
             raise TransportError(str(exc)) from None
@@ -112,8 +116,45 @@ class RemoteStore(KVStore):
 
     # ---- primitives ---------------------------------------------------------------------------------
     def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: PutFlags) -> ObjectMeta:
+        if self._arena_fits(meta, payload):
+            slot = self._arenas.take(meta.size)
+            if slot is not None:
+                try:
+                    self._arenas.write(slot, digest)
+                except BaseException:
+                    self._arenas.returned(slot)
+                    raise
+                reply = self._arenas.commit([self._arenas.entry(slot, meta, digest())], [slot], **_flags(flags))
+                return meta.with_commit(digest(), reply["versions"][0], reply["created"][0])
         reply = self._send_put(meta, payload, digest, flags, defer=False)
         return meta.with_commit(digest(), reply["version"], reply["created"])
+
+    def _arena_fits(self, meta: ObjectMeta, payload: Payload | None = None) -> bool:
+        return self._arenas is not None and self._arenas.fits(meta.size) and \
+            (payload is None or not isinstance(payload.view, DeviceBuffer))
+
+    def _put_many_arena(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], flags: PutFlags
+                        ) -> list[ObjectMeta] | None:
+        """batch_put through the arenas: every object copied, then one commit. None if a slot is not to be had."""
+        slots = []
+        try:
+            for (meta, _), digest in zip(items, digests, strict=True):
+                slot = self._arenas.take(meta.size)
+                if slot is None:
+                    for s in slots:
+                        self._arenas.returned(s)
+                    return None
+                slots.append(slot)
+                self._arenas.write(slot, digest)
+        except BaseException:
+            for s in slots:
+                self._arenas.returned(s)
+            raise
+        entries = [self._arenas.entry(slot, meta, digest()) for slot, (meta, _), digest in zip(slots, items, digests,
+                                                                                             strict=True)]
+        reply = self._arenas.commit(entries, slots, **_flags(flags))
+        return [meta.with_commit(digest(), v, c)
+                for (meta, _), digest, v, c in zip(items, digests, reply["versions"], reply["created"], strict=True)]
 
     def _send_put(self, meta: ObjectMeta, payload: Payload, digest: Digest, flags: PutFlags, defer: bool) -> dict:
         if meta.size > self.capacity:
@@ -129,6 +170,10 @@ class RemoteStore(KVStore):
 
     def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
                   flags: PutFlags) -> list[ObjectMeta]:
+        if all(self._arena_fits(m, p) for m, p in items) and commit_fits([m for m, _ in items]):
+            done = self._put_many_arena(items, digests, flags)
+            if done is not None:
+                return done
         pending: list[dict] = []
         try:
             for (meta, payload), digest in zip(items, digests, strict=True):
@@ -151,6 +196,14 @@ class RemoteStore(KVStore):
             return super()._reserve(meta, flags)
         if meta.size > self.capacity:
             raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
+        if self._arena_fits(meta):  # no round trip: the commit is the only one
+            slot = self._arenas.take(meta.size)
+            if slot is not None:
+                try:
+                    return ("arena", slot, flags), self._arenas.view(slot)
+                except BaseException:
+                    self._arenas.returned(slot)
+                    raise
         reply = self._conn.call({"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(),
                                  "if_absent": flags.if_absent, "pin": flags.pin, "ephemeral": flags.ephemeral,
                                  "defer": True, "mode": "region"})
@@ -165,6 +218,14 @@ class RemoteStore(KVStore):
                          ) -> list[ObjectMeta]:
         if not handles or isinstance(handles[0], Staged):
             return super()._commit_reserved(handles, metas, checksums)
+        arena = [h for h in handles if h[0] == "arena"]
+        if arena:
+            check_commit_size(metas)
+            entries = [self._arenas.entry(h[1], meta, c) if h[0] == "arena" else {"put_id": h[1], "checksum": c}
+                       for h, meta, c in zip(handles, metas, checksums, strict=True)]
+            reply = self._arenas.commit(entries, [h[1] for h in arena], **_flags(arena[0][2]), give_back=False)
+            return [meta.with_commit(c, v, t) for meta, c, v, t in
+                    zip(metas, checksums, reply["versions"], reply["created"], strict=True)]
         reply = self._conn.call({"op": "commit_many", "put_ids": [h[1] for h in handles],
                                  "checksums": list(checksums)})
         return [meta.with_commit(c, v, t) for meta, c, v, t in
@@ -173,11 +234,16 @@ class RemoteStore(KVStore):
     def _abort_reserved(self, handles: list[Any], quiet: bool = False) -> None:
         if not handles or isinstance(handles[0], Staged):
             return super()._abort_reserved(handles, quiet)
+        for h in handles:
+            if h[0] == "arena":
+                self._arenas.returned(h[1])
         if self._conn.closed:
             return  # the daemon revoked them when the connection dropped
-        for _, put_id in handles:
+        for h in handles:
+            if h[0] == "arena":
+                continue
             try:
-                self._conn.call({"op": "abort", "put_id": put_id})
+                self._conn.call({"op": "abort", "put_id": h[1]})
             except KVStoreError:
                 if not quiet:
                     raise
@@ -327,6 +393,8 @@ class RemoteStore(KVStore):
         if self._conn.closed and self._stop.is_set():
             return
         self._stop.set()
+        if self._arenas is not None:
+            self._arenas.release()
         self._conn.close()
         if self._waiter is not None:
             self._waiter.close()
@@ -343,6 +411,10 @@ class RemoteStore(KVStore):
             self.close()
         except Exception:
             pass
+
+
+def _flags(flags: PutFlags) -> dict:
+    return {"if_absent": flags.if_absent, "pin": flags.pin, "ephemeral": flags.ephemeral}
 
 
 __all__ = ["RemoteStore", "StoreConnectionError"]

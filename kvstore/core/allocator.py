@@ -106,6 +106,17 @@ class Allocator:
         self._insert_free(start, end - start)
         return size
 
+    def split(self, offset: int, at: int) -> None:
+        """Cut the allocated block at ``offset`` in two at ``at`` (aligned, strictly inside it): both parts stay
+        allocated and are freed on their own (an arena hands a committed range over to the object stored in it)."""
+        size = self._used.get(offset)
+        if size is None:
+            raise ValueError(f"offset {offset} is not an allocated block")
+        if not offset < at < offset + size or at % self.alignment:
+            raise ValueError(f"cannot split the block [{offset}, +{size}) at {at} (alignment {self.alignment})")
+        self._used[offset] = at - offset
+        self._used[at] = offset + size - at
+
     def hole_if_freed(self, offset: int) -> int:
         """Size of the free block that freeing the allocation at ``offset`` would leave (with its neighbours)."""
         size = self._used[offset]

@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Protocol
 
 from kvstore.core.allocator import Allocator
+from kvstore.core.arena import ArenaLedger
 from kvstore.core.meta import ObjectMeta
 from kvstore.core.quota import ClientQuota
 from kvstore.core.relocation import open_extent
@@ -171,7 +172,9 @@ class _Client:
         return self.pending_bytes + self.leased_bytes
 
 
-class Master:
+class Master(ArenaLedger):
+    replica_type = Replica  # what the arena ledger builds
+
     def __init__(self, segment_sizes: list[int], *, high_watermark: float = 0.9, low_watermark: float = 0.8,
                  policy: EvictionPolicy | None = None, alignment: int = 64,
                  clock: Callable[[], float] = time.monotonic, listener: MasterListener | None = None,
@@ -211,6 +214,7 @@ class Master:
         self.refusals = 0  # StoreFullError raised for lack of space
         self.fill_at_first_eviction: float | None = None  # used / capacity of the tier when it first evicted
         self.fill_at_first_refusal: float | None = None  # ... when it first raised StoreFullError
+        self._arena_init()
 
     # ---- clients ------------------------------------------------------------------------------------
     def register_client(self, name: str = "") -> int:
@@ -244,6 +248,7 @@ class Master:
                 replica.held += 1
                 held.append(replica)
             self.release(lease_id)
+        held.extend(self._drop_arenas(client, quarantine))
         if held:
             self._quarantine.setdefault(client, []).extend(held)
         for key, rid in state.ephemeral.items():
@@ -454,7 +459,7 @@ class Master:
             "quarantined_bytes": self.quarantined_bytes(), "quarantined_clients": len(self._quarantine),
             "free_bytes": free, "largest_free_bytes": largest,
             "fragmentation": 0.0 if free == 0 else round(1.0 - largest / free, 6),
-            "high_watermark": self.high, "low_watermark": self.low,
+            "high_watermark": self.high, "low_watermark": self.low, **self.arena_stats(),
             "tiers": {t.value: {"capacity_bytes": sum(self.allocators[i].capacity for i in segs),
                                 "used_bytes": self._used(segs), "segments": list(segs)}
                       for t, segs in sorted(self._tier_segments.items(), key=lambda kv: kv[1])},
@@ -487,6 +492,9 @@ class Master:
             client.puts.discard(put_id)
             client.pending_bytes -= replica.reserved
         return replica
+
+    def host_segments(self) -> tuple[int, ...]:
+        return self._segments_of(Tier.HOST)
 
     def _segments_of(self, tier: Tier) -> tuple[int, ...]:
         try:

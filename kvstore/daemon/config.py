@@ -29,6 +29,7 @@ class ServerConfig:
     max_pending_bytes: int | None = None  # default: half the capacity
     max_held_bytes: int | None = None  # default: three quarters of the capacity
     max_leases: int = 16384
+    arena_bytes: int | None = None  # a same-host client's arena (default: min(64 MiB, capacity / 16))
     # connections and deadlines (kvstore.daemon.limits)
     max_connections: int = 1024
     max_connections_per_peer: int = 256
@@ -53,6 +54,10 @@ class ServerConfig:
         if self.capacity <= 0:
             raise InvalidArgumentError(f"capacity must be positive, got {self.capacity}")
         self._check_gpu()
+        if self.arena_bytes is not None and (isinstance(self.arena_bytes, bool) or not isinstance(self.arena_bytes, int)
+                                             or not 0 < self.arena_bytes <= self.capacity):
+            raise InvalidArgumentError(f"arena size must be between 1 byte and the capacity ({self.capacity}), "
+                                       f"got {self.arena_bytes!r}")
         try:
             self.quota, self.limits  # noqa: B018 (validates them once, here)
         except ValueError as exc:
@@ -64,6 +69,11 @@ class ServerConfig:
         return ClientQuota(max_pending_bytes=self.max_pending_bytes or max(1, self.capacity // 2),
                            max_held_bytes=self.max_held_bytes or max(1, self.capacity * 3 // 4),
                            max_leases=self.max_leases)
+
+    @property
+    def arena_size(self) -> int:
+        """Bytes of one arena granted to a same-host client (kvstore.core.arena)."""
+        return self.arena_bytes or max(4096, min(64 << 20, self.capacity // 16))
 
     @property
     def limits(self) -> Limits:

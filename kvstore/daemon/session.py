@@ -21,6 +21,7 @@ import xxhash
 
 from kvstore.core.master import describe_replica
 from kvstore.core.meta import ObjectMeta
+from kvstore.daemon.arena_ops import ArenaOps
 from kvstore.daemon.disk_ops import DiskOps
 from kvstore.daemon.gpu_ops import GpuOps
 from kvstore.daemon.guards import PeerGone, SessionGuards
@@ -55,7 +56,7 @@ class _Closed(Exception):
     """The peer went away (or framing broke): end the session."""
 
 
-class Session(GpuOps, UcxOps, DiskOps, SessionGuards):
+class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
     def __init__(self, ctx: DaemonContext, sock: socket.socket, peer: str):
         self.ctx, self.sock, self.peer = ctx, sock, peer
         self.master, self.segments, self.metrics = ctx.master, ctx.segments, ctx.metrics
@@ -267,6 +268,7 @@ class Session(GpuOps, UcxOps, DiskOps, SessionGuards):
             "cuda_segments": self.op_cuda_segments, "cuda_put": self.op_cuda_put, "cuda_get": self.op_cuda_get,
             "ucx_connect": self.op_ucx_connect, "ucx_claim": self.op_ucx_claim,
         }
+        table.update(self.arena_handlers())  # same-host clients' arenas (arena_ops)
         table.update(self.disk_handlers())  # with --disk-path: the read ops also look on disk (disk_ops)
         return table
 
@@ -290,6 +292,7 @@ class Session(GpuOps, UcxOps, DiskOps, SessionGuards):
                         segments=server.segments.describe(), index=server.index_info(),
                         capacity=server.master.capacity, max_frame=wire.MAX_FRAME,
                         heartbeat_s=server.config.heartbeat_timeout, pid=server.pid, generation=server.generation,
+                        arena_bytes=server.config.arena_size if self.transport in ("shm", "cuda_ipc") else 0,
                         transports=list(server.served_transports))
 
     async def op_ping(self, rid: int, f: dict) -> dict:
@@ -325,11 +328,11 @@ class Session(GpuOps, UcxOps, DiskOps, SessionGuards):
             if self.client is not None:
                 master.abort(replica.id)
             raise
-        replica.meta = replace(replica.meta, checksum=checksum)  # what landed is what is recorded
         self.metrics.bytes_in(meta.size)
         if f["defer"]:
+            replica.meta = replace(replica.meta, checksum=checksum)  # what landed is what is recorded
             return self._ok(rid, put_id=replica.id, checksum=checksum)
-        return self._committed(rid, master.commit(replica.id), checksum=checksum)
+        return self._committed(rid, master.commit(replica.id, checksum), checksum=checksum)
 
     async def op_commit(self, rid: int, f: dict) -> dict:
         master = self.master

@@ -40,11 +40,14 @@ class DecodeLimits:
     containers: int
 
 
+#: containers one request may hold: an ``arena_commit`` of 4096 objects, each an entry, its meta, its user map
+#: and its shape, with two more maps or arrays of user metadata to spare (about 8 ms of decoding at most)
+COMMIT_CONTAINERS = 6 * 4096 + 256
 #: What the request schema allows: key lists of 4096 (``batch_exists``, ``wait``, ``commit_many``; arrays get
 #: twice that here so that a list just over the limit gets the validator's field error, not a closed
 #: connection), str fields of 4096 characters (up to 4 bytes each), the 64-item user metadata nested 8 deep,
 #: UCX worker addresses of 64 KiB.
-REQUEST_LIMITS = DecodeLimits(array=2 * 4096, map=256, str=4 * 4096, bin=65536, containers=2048)
+REQUEST_LIMITS = DecodeLimits(array=2 * 4096, map=256, str=4 * 4096, bin=65536, containers=COMMIT_CONTAINERS)
 #: Replies come from the daemon the client authenticated (stats, key listings): bounded by the frame.
 REPLY_LIMITS = DecodeLimits(array=MAX_FRAME, map=1 << 16, str=MAX_FRAME, bin=MAX_FRAME, containers=MAX_FRAME)
 
@@ -80,7 +83,10 @@ def decode(body: bytes | memoryview, limits: DecodeLimits = REQUEST_LIMITS) -> d
             raise _TooManyContainers(f"more than {limits.containers} arrays and maps in one frame")
         return container
 
-    hooks = {} if limits.containers >= MAX_FRAME else {"list_hook": count, "object_hook": count}  # replies: none
+    # every array or map takes at least one byte, so a body no longer than the bound cannot exceed it: the
+    # per-container hook (a Python call each) is only needed for larger frames (and never for replies)
+    small = len(body) <= limits.containers
+    hooks = {} if small or limits.containers >= MAX_FRAME else {"list_hook": count, "object_hook": count}
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=limits.bin,
                                   max_str_len=limits.str, max_array_len=limits.array, max_map_len=limits.map,
@@ -181,6 +187,27 @@ def _opt_ints(value: Any, name: str) -> list[int | None]:
     return [_opt_int(v, name) for v in value]
 
 
+def _commit_entries(value: Any, name: str) -> list[dict]:
+    """What ``arena_commit`` makes visible, in order: objects written into an arena (``arena``, ``offset``,
+    ``meta``, ``checksum``) and pending puts (``put_id``, ``checksum``)."""
+    if not isinstance(value, list) or not 0 < len(value) <= 4096:
+        raise InvalidArgumentError(f"field {name!r} must be a list of 1 to 4096 entries")
+    out = []
+    for entry in value:
+        if not isinstance(entry, dict):
+            raise InvalidArgumentError(f"field {name!r}: each entry must be a map, got {type(entry).__name__}")
+        names = _ARENA_ENTRY if "arena" in entry else _PUT_ENTRY
+        if set(entry) - set(names) or any(n not in entry for n in names if n != "checksum"):
+            raise InvalidArgumentError(f"field {name!r}: an entry has fields {sorted(map(str, entry))}, "
+                                       f"expected {sorted(names)}")
+        out.append({n: check(entry.get(n), n) for n, check in names.items()})
+    return out
+
+
+_ARENA_ENTRY: dict[str, Callable[[Any, str], Any]] = {"arena": _int, "offset": _int, "meta": _map,
+                                                      "checksum": _opt_int}
+_PUT_ENTRY: dict[str, Callable[[Any, str], Any]] = {"put_id": _int, "checksum": _opt_int}
+
 Field = tuple[Callable[[Any, str], Any], bool, Any]  # validator, required, default
 
 _KEY: dict[str, Field] = {"key": (_key, True, None)}
@@ -201,6 +228,11 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "commit": {"put_id": (_int, True, None), "checksum": (_opt_int, False, None)},
     "commit_many": {"put_ids": (_ints, True, None), "checksums": (_opt_ints, True, None)},
     "abort": {"put_id": (_int, True, None)},
+    # same-host clients' arenas (kvstore.core.arena): granted space they allocate from themselves
+    "arena": {"size": (_int, True, None), "need": (_int, False, 0), "retire": (_ints, False, [])},
+    "arena_release": {"arenas": (_ints, True, None)},
+    "arena_commit": {"entries": (_commit_entries, True, None), "if_absent": (_bool, False, False),
+                     "pin": (_bool, False, False), "ephemeral": (_bool, False, False)},
     "get": dict(_GET),
     "release": {"lease": (_int, True, None)},
     "lease": dict(_KEY),
@@ -224,13 +256,15 @@ SCHEMA: dict[str, dict[str, Field]] = {
 }
 
 
+#: the field names each op may carry: its schema's and the envelope's
+_ALLOWED: dict[str, frozenset[str]] = {op: frozenset(fields) | {"v", "id", "op", "noreply"}
+                                       for op, fields in SCHEMA.items()}
+
+
 def validate(message: dict) -> tuple[str, int, dict]:
     """Check version, id, op and every field; returns (op, request id, clean fields).
 
     Raises ProtocolError for a bad version or unknown op, InvalidArgumentError/InvalidKeyError for fields."""
-    odd = [k for k in message if not isinstance(k, str)]
-    if odd:  # msgpack maps may mix str and bytes names; ours are str only
-        raise InvalidArgumentError(f"field names must be str, got {odd[0]!r:.80}")
     if message.get("v") != VERSION:
         raise ProtocolError(f"schema version {message.get('v')!r} is not supported (this side speaks {VERSION})")
     rid = message.get("id")
@@ -248,8 +282,11 @@ def validate(message: dict) -> tuple[str, int, dict]:
             raise InvalidArgumentError(f"op {op!r} needs field {name!r}")
         else:
             fields[name] = default
-    unknown = set(message) - set(schema) - {"v", "id", "op", "noreply"}
-    if unknown:
+    if not _ALLOWED[op].issuperset(message):
+        odd = [k for k in message if not isinstance(k, str)]
+        if odd:  # msgpack maps may mix str and bytes names; ours are str only
+            raise InvalidArgumentError(f"field names must be str, got {odd[0]!r:.80}")
+        unknown = set(message) - _ALLOWED[op]
         raise InvalidArgumentError(f"op {op!r} has unknown fields {sorted(unknown)}")
     return op, rid, fields
 

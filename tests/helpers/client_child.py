@@ -10,6 +10,7 @@ Usage: client_child.py MODE URL TRANSPORT KEY [SIZE]
   view        hold a zero-copy ``store.get(KEY, copy=False)`` (a lease), print READY, hang
   put         put SIZE bytes of the key-derived pattern under KEY, print DONE, exit
   ephemeral   put SIZE bytes under KEY with ephemeral=True, print READY, hang
+  arena       put SIZE bytes under KEY over shm (which takes an arena), print READY and the arena's bytes, hang
   view-dropped  hold a zero-copy view of KEY, then lose the control connection (as a timed-out call does) and
               stay alive: print READY; on each SIGUSR1 print VIEW same|changed
   paused-put  hold a zero-copy view of KEY, then begin a region put of SIZE bytes under KEY + "/big"; in the
@@ -149,6 +150,11 @@ def main() -> None:
                 hang()
         obj = store.get(key, copy=False)
         print("READY", len(obj), flush=True)
+        hang()
+    elif mode == "arena":
+        store = kvstore.connect(url, transport="shm")
+        store.put(key, pattern(key, size))
+        print("READY", store.stats()["arena_bytes"], flush=True)
         hang()
     elif mode == "ephemeral":
         store = kvstore.connect(url, transport=transport)

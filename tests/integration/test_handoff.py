@@ -23,6 +23,12 @@ LAYOUT = child.layout()
 BS = LAYOUT.block_size
 
 
+
+def stored(s) -> int:
+    """Bytes of objects: a same-host client's arena (free space it allocates from itself) aside."""
+    stats = s.stats()
+    return stats["used_bytes"] - stats.get("arena_bytes", 0)
+
 def zeros(num_blocks, layout=LAYOUT):
     return [torch.zeros(layout.cache_shape(num_blocks), dtype=layout.dtype) for _ in range(layout.num_layers)]
 
@@ -66,11 +72,11 @@ def test_roundtrip_into_reordered_blocks(hstore):
 
 def test_request_scoped_chunks_released_after_fetch(hstore):
     h = KVHandoff(hstore, LAYOUT, chunk_blocks=2)
-    base = hstore.stats()["used_bytes"]
+    base = stored(hstore)
     h.publish("r2", child.caches(8), [1, 2, 3], num_tokens=3 * BS).wait()  # no token ids: request-scoped keys
     h.fetch("r2", zeros(8), [4, 5, 6])
     # only the small status record is left (it outlives the request for `kvstore requests`)
-    assert hstore.stats()["used_bytes"] == base + status_bytes(hstore, "r2")
+    assert stored(hstore) == base + status_bytes(hstore, "r2")
 
 
 def test_concurrent_requests_sharing_a_prefix(hstore):
@@ -121,12 +127,12 @@ def test_fetch_is_woken_by_publish(hstore):
 
 def test_cancel_reclaims_at_once_and_aborts_waiters(hstore):
     h = KVHandoff(hstore, LAYOUT)
-    base = hstore.stats()["used_bytes"]
+    base = stored(hstore)
     h.publish("c", child.caches(8), list(range(6)), num_tokens=6 * BS).wait()
-    assert hstore.stats()["used_bytes"] > base + 6 * LAYOUT.block_nbytes
+    assert stored(hstore) > base + 6 * LAYOUT.block_nbytes
     h.cancel("c")
     extra = status_bytes(hstore, "c") + hstore.inspect(request_keys("c")["cancel"])["reserved"]
-    assert hstore.stats()["used_bytes"] == base + extra
+    assert stored(hstore) == base + extra
     with pytest.raises(kvstore.HandoffAbortedError, match="cancelled"):
         h.fetch("c", zeros(8), list(range(6)), timeout=2)
     states = {r["request_id"]: r["state"] for r in KVHandoff.requests(hstore)}
@@ -135,10 +141,10 @@ def test_cancel_reclaims_at_once_and_aborts_waiters(hstore):
 
 def test_unfetched_request_reclaimed_at_ttl(hstore):
     h = KVHandoff(hstore, LAYOUT, status_ttl=30)
-    base = hstore.stats()["used_bytes"]
+    base = stored(hstore)
     h.publish("old", child.caches(4), [0, 1, 2], num_tokens=3 * BS, ttl=0.5).wait()
     assert hstore.exists(request_keys("old")["meta"])
-    assert wait_until(lambda: hstore.stats()["used_bytes"] == base + status_bytes(hstore, "old"), timeout=10)
+    assert wait_until(lambda: stored(hstore) == base + status_bytes(hstore, "old"), timeout=10)
     assert not hstore.exists(request_keys("old")["meta"])
     assert {r["request_id"]: r["state"] for r in KVHandoff.requests(hstore)}["old"] == "expired"
 
@@ -172,7 +178,7 @@ def test_prefix_lookup_across_processes_and_fetch_prefix(daemon_factory):
 def test_producer_killed_mid_publish_leaves_nothing(daemon_factory):
     d = daemon_factory(capacity="256MiB")
     store = d.connect("shm")
-    base = store.stats()["used_bytes"]
+    base = stored(store)
     proc = subprocess.Popen([sys.executable, os.path.join(HELPERS, "handoff_child.py"), "publish", d.unix_url,
                              "dead", "1500"], env=child_env(), stdout=subprocess.PIPE, text=True)
     try:
@@ -191,7 +197,7 @@ def test_producer_killed_mid_publish_leaves_nothing(daemon_factory):
         KVHandoff(store, LAYOUT).fetch("dead", zeros(2), [0], timeout=5)
     assert not store.exists(keys["meta"]) and not store.exists(keys["claim"])
     assert wait_until(lambda: store.stats()["pending"] == 0, timeout=5)
-    assert store.stats()["used_bytes"] == base + status_bytes(store, "dead")
+    assert stored(store) == base + status_bytes(store, "dead")
     assert {r["request_id"]: r["state"] for r in KVHandoff.requests(store)}["dead"] == "aborted"
     store.close()
 

@@ -50,6 +50,16 @@ class ClusterSession(Session):
     async def op_commit_many(self, rid: int, f: dict) -> dict:
         return await self._synced(await super().op_commit_many(rid, f))
 
+    async def op_arena_commit(self, rid: int, f: dict) -> dict:
+        if f["if_absent"]:  # the keys of objects written into an arena, checked cluster-wide as op_put does
+            keys = [e["meta"].get("key") for e in f["entries"] if "arena" in e]
+            keys = [k for k in keys if isinstance(k, str) and not self.ctx.local(k)]
+            found = await self.ctx.remote.entries(keys) if keys else None
+            taken = next((k for k, v in (found or {}).items() if v), None)
+            if taken is not None:
+                raise KeyExistsError(f"key {taken!r} already exists on node {found[taken][0].node}")
+        return await self._synced(await super().op_arena_commit(rid, f))
+
     # ---- reads --------------------------------------------------------------------------------------
     async def op_get(self, rid: int, f: dict) -> dict | None:
         if self.ctx.local(f["key"]):
