@@ -128,6 +128,17 @@ class ArenaWriter:
                 slot.arena.open -= 1
         return reply
 
+    def retire_idle(self) -> bool:
+        """Give back every arena no slot is open in (a put outside the arenas was refused for this client's quota,
+        which counts its arenas); True if any went. The daemon frees their space at once."""
+        with self._lock:
+            idle = [a for a in self._arenas if a.open == 0]
+            self._arenas = [a for a in self._arenas if a.open != 0]
+        if not idle or self._conn.closed:
+            return False
+        self._conn.call({"op": "arena_release", "arenas": [a.id for a in idle]})
+        return True
+
     # ---- closing ------------------------------------------------------------------------------------
     def release(self) -> None:
         """Give every arena back (at close: nothing of this client writes into them any more)."""

@@ -22,7 +22,14 @@ from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta
 from kvstore.core.value import KVObject, Payload
-from kvstore.errors import InvalidArgumentError, KVStoreError, ObjectTooLargeError, StoreConnectionError, TransportError
+from kvstore.errors import (
+    InvalidArgumentError,
+    KVStoreError,
+    ObjectTooLargeError,
+    QuotaExceededError,
+    StoreConnectionError,
+    TransportError,
+)
 from kvstore.memory.device import DeviceBuffer
 from kvstore.memory.index import IndexReader
 from kvstore.memory.shm import SharedMemory, SharedMemoryError
@@ -129,6 +136,16 @@ class RemoteStore(KVStore):
         reply = self._send_put(meta, payload, digest, flags, defer=False)
         return meta.with_commit(digest(), reply["version"], reply["created"])
 
+    def _quota_retry(self, send: Callable[[], dict]) -> dict:
+        """``send()`` a put outside the arenas; if the daemon refuses it for this client's quota, which counts the
+        client's idle arenas too, give those back and send it once more (the refused request stored nothing)."""
+        try:
+            return send()
+        except QuotaExceededError:
+            if self._arenas is None or not self._arenas.retire_idle():
+                raise
+        return send()
+
     def _arena_fits(self, meta: ObjectMeta, payload: Payload | None = None) -> bool:
         return self._arenas is not None and self._arenas.fits(meta.size) and \
             (payload is None or not isinstance(payload.view, DeviceBuffer))
@@ -164,7 +181,7 @@ class RemoteStore(KVStore):
         try:
             if isinstance(payload.view, DeviceBuffer):  # routed here by device_memory().put_many
                 return self._direct_device().put(request, payload.view, digest)
-            return self._path(meta.size).put(self._conn, request, payload.view, digest)
+            return self._quota_retry(lambda: self._path(meta.size).put(self._conn, request, payload.view, digest))
         except TransportFailure as exc:
             raise TransportError(f"put of {meta.key!r} failed on the {self.transport} path: {exc}") from None
 
@@ -204,9 +221,9 @@ class RemoteStore(KVStore):
                 except BaseException:
                     self._arenas.returned(slot)
                     raise
-        reply = self._conn.call({"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(),
-                                 "if_absent": flags.if_absent, "pin": flags.pin, "ephemeral": flags.ephemeral,
-                                 "defer": True, "mode": "region"})
+        reply = self._quota_retry(lambda: self._conn.call(
+            {"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(), "if_absent": flags.if_absent,
+             "pin": flags.pin, "ephemeral": flags.ephemeral, "defer": True, "mode": "region"}))
         try:
             view = self._data.region(reply["segment"], reply["offset"], meta.size)
         except BaseException:

@@ -155,3 +155,23 @@ def test_batch_put_commits_through_one_arena_commit(daemon_factory):
         s.batch_put(items)
         assert all(bytes(s.get(k)) == v for k, v in items)
         assert s.stats()["arenas"] == 1 and s.stats()["pending"] == 0
+
+
+@pytest.mark.parametrize("how", ["put", "reserve"])
+def test_a_put_at_the_clients_limit_is_not_refused_for_its_idle_arenas(daemon_factory, how):
+    """Arenas count in the client's held bytes; an object as large as the whole limit (too large for an arena)
+    still goes in: the client gives its idle arenas back and the daemon takes the put."""
+    d = daemon_factory(capacity="64MiB", args=("--arena-size", "4MiB", "--max-held-bytes", "24MiB"))
+    big = pattern("big", 24 * MiB)
+    with d.connect("shm") as s:
+        s.put("small", b"s" * 5000)
+        assert s.stats()["arenas"] == 1
+        if how == "put":
+            s.put("big", big)
+        else:
+            with s.reserve("big", len(big)) as buf:
+                buf[:] = big
+        assert bytes(s.get("big", verify=True)) == big
+        assert bytes(s.get("small")) == b"s" * 5000
+        s.put("after", b"a" * 5000)  # a later small put gets an arena again
+        assert bytes(s.get("after")) == b"a" * 5000
