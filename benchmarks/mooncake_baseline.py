@@ -275,16 +275,30 @@ def _start_holder(procs: _Procs, cfg_path: str, env: dict) -> None:
 
 
 # ---- measurement (parent side) ----------------------------------------------------------------------
+@contextlib.contextmanager
+def _never_raises(result: dict):
+    """Run a measurement into ``result``: an exception becomes ``available`` False with its ``reason`` (a baseline
+    must never take the caller's benchmark down); the load average after and the total time are recorded."""
+    t_start = time.monotonic()
+    try:
+        yield
+    except Exception as e:
+        result["available"] = False
+        result["reason"] = f"{type(e).__name__}: {e}"
+    finally:
+        result["loadavg_after"] = _loadavg()
+        result["total_s"] = round(time.monotonic() - t_start, 2)
+
+
 def measure(sizes: list[int] | None = None, modes: tuple[str, ...] | list[str] = ("tcp",),
             time_budget_s: float = TIME_BUDGET_S) -> dict:
     """Mooncake Store timings for each size and mode (``tcp``: client and segment in two processes;
     ``local``: one process). Never raises: ``available`` is False and ``reason`` says why when it
     could not run. Rows have the keys of ``benchmarks.common.timing.Timing.as_dict`` plus ``path``/``op``."""
     sizes = sorted(set(int(s) for s in (sizes or DEFAULT_SIZES)))
-    t_start = time.monotonic()
     result: dict = {"available": False, "reason": None, "package": None, "rows": [], "modes": list(modes),
                     "sizes": sizes, "loadavg_before": _loadavg()}
-    try:
+    with _never_raises(result):
         info = detect()
         result["package"] = info["package"]
         if not info["installed"]:
@@ -305,12 +319,6 @@ def measure(sizes: list[int] | None = None, modes: tuple[str, ...] | list[str] =
             details[mode] = detail
         result["details"] = details
         result["available"] = True
-    except Exception as e:  # a baseline must never take the caller's benchmark down
-        result["available"] = False
-        result["reason"] = f"{type(e).__name__}: {e}"
-    finally:
-        result["loadavg_after"] = _loadavg()
-        result["total_s"] = round(time.monotonic() - t_start, 2)
     return result
 
 
@@ -430,10 +438,9 @@ def batch_row(result: dict, op: str, *, count: int | None = None, blocks: int | 
 
 
 def _measure_batch_list(make_batches, modes, time_budget_s: float) -> dict:
-    t_start = time.monotonic()
     result: dict = {"available": False, "reason": None, "package": None, "rows": [], "modes": list(modes),
                     "batches": [], "loadavg_before": _loadavg()}
-    try:
+    with _never_raises(result):
         try:
             batches = make_batches()
         except ValueError as e:
@@ -462,12 +469,6 @@ def _measure_batch_list(make_batches, modes, time_budget_s: float) -> dict:
             result["rows"].extend(_batch_rows(mode, batches, data["rows"]))
         result["details"] = details
         result["available"] = True
-    except Exception as e:  # a baseline must never take the caller's benchmark down
-        result["available"] = False
-        result["reason"] = f"{type(e).__name__}: {e}"
-    finally:
-        result["loadavg_after"] = _loadavg()
-        result["total_s"] = round(time.monotonic() - t_start, 2)
     return result
 
 
