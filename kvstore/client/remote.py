@@ -16,6 +16,7 @@ from typing import Any
 from kvstore import transports
 from kvstore.client.arena import ArenaWriter, check_commit_size, commit_fits
 from kvstore.client.device import DirectDeviceMemory
+from kvstore.client.handshake import say_hello
 from kvstore.client.rpc import Connection
 from kvstore.client.staging import Staged
 from kvstore.client.store import KVStore, PutFlags
@@ -45,6 +46,9 @@ log = logging.getLogger("kvstore.client")
 
 
 class RemoteStore(KVStore):
+    #: the cluster node id expected at this address (a NodeClient's); the handshake refuses another daemon
+    expected_node: str | None = None
+
     def __init__(self, url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
                  client_name: str = ""):
         self.endpoint = Endpoint.parse(url)
@@ -84,8 +88,9 @@ class RemoteStore(KVStore):
         mapped (the connection is closed then)."""
         self._conn = Connection(self.endpoint, self.timeout)
         try:
-            hello = self._conn.call({"op": "hello", "client": name, "token": self._token, "transport": transport,
-                                     "host": host_id(), "pid": os.getpid(), "transports": transports.names()})
+            hello = say_hello(self._conn, self._token, {"client": name, "transport": transport, "host": host_id(),
+                                                        "pid": os.getpid(), "transports": transports.names()},
+                              self.expected_node)
             self.transport = hello["transport"]
             segments = {sid: (seg, size) for sid, seg, size in hello["segments"]}
             self._data = transports.get(self.transport)(segments)
@@ -353,8 +358,8 @@ class RemoteStore(KVStore):
             if self._waiter is None or self._waiter.closed:
                 waiter = Connection(self.endpoint, self.timeout)
                 try:
-                    waiter.call({"op": "hello", "client": f"{self.producer}/wait", "token": self._token,
-                                 "transport": "tcp", "host": host_id(), "pid": os.getpid()})
+                    say_hello(waiter, self._token, {"client": f"{self.producer}/wait", "transport": "tcp",
+                                                    "host": host_id(), "pid": os.getpid()}, self.expected_node)
                 except BaseException:
                     waiter.close()
                     raise

@@ -19,14 +19,15 @@ from kvstore.client.store import PutFlags
 from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta
 from kvstore.core.value import KVObject, Payload
-from kvstore.errors import StoreConnectionError, TransportError
+from kvstore.errors import AuthenticationError, StoreConnectionError, TransportError
 from kvstore.transports.base import TransportFailure
 
 
 class NodeClient(RemoteStore):
     def __init__(self, node: str, epoch: str, addr: str, **options):
-        super().__init__(addr, **options)
         self.node, self.epoch = node, epoch
+        self.expected_node = node  # the daemon at addr must prove it is this node (and knows the token)
+        super().__init__(addr, **options)
 
     def read_index(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int, int] | None:
         """Copy ``key`` through the member's shared-memory index (no round trip): (size, version, checksum),
@@ -87,7 +88,9 @@ class NodeClient(RemoteStore):
 
 class PeerPool:
     """Idle NodeClients per (node, epoch), created on demand; thread-safe. A node that timed out is
-    ``suspect`` for a while (its entries are skipped, so a stopped node costs one timeout, not one per get)."""
+    ``suspect`` for a while (its entries are skipped, so a stopped node costs one timeout, not one per get). A
+    node that failed the handshake (another token, or another daemon at its address) is ``refused`` for the
+    rest of its boot epoch: skipped by reads and writes, and listed by ``refusals()`` for the operator."""
 
     def __init__(self, *, transport: str, timeout: float, token: str | None, client_name: str,
                  suspect_s: float | None = None, idle_per_node: int = 4):
@@ -96,6 +99,7 @@ class PeerPool:
         self.idle_per_node = idle_per_node
         self._idle: dict[tuple[str, str], list[NodeClient]] = {}
         self._suspect: dict[str, tuple[str, float]] = {}
+        self._refused: dict[str, tuple[str, str]] = {}  # node -> (epoch, why)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -122,10 +126,19 @@ class PeerPool:
         if client is None:
             try:
                 client = NodeClient(node, epoch, addr, **self.options)
+            except AuthenticationError as exc:
+                with self._lock:
+                    self._refused[node] = (epoch, f"{addr}: {exc}")
+                raise
             except (StoreConnectionError, TransportError):
                 self.suspect(node, epoch)
                 raise
         return client
+
+    def refusals(self) -> dict[str, str]:
+        """Nodes refused in the handshake (node -> why), for stats and metrics."""
+        with self._lock:
+            return {node: why for node, (_, why) in self._refused.items()}
 
     def checkin(self, client: NodeClient) -> None:
         self._give(client)
@@ -156,7 +169,11 @@ class PeerPool:
             self._suspect[node] = (epoch, time.monotonic() + (seconds or self.suspect_s))
 
     def suspected(self, node: str, epoch: str) -> bool:
+        """Skip this node for now: it timed out recently, or it was refused in this epoch."""
         with self._lock:
+            refused = self._refused.get(node)
+            if refused is not None and refused[0] == epoch:
+                return True
             mark = self._suspect.get(node)
             if mark is None:
                 return False
@@ -168,6 +185,8 @@ class PeerPool:
     def prune(self, live: dict[str, str]) -> None:
         """Close the connections of members that are gone or rebooted (``live``: node -> epoch)."""
         with self._lock:
+            for node in [n for n, (epoch, _) in self._refused.items() if live.get(n) != epoch]:
+                del self._refused[node]  # restarted (perhaps with the right token) or gone: ask again
             dead = [k for k in self._idle if live.get(k[0]) != k[1]]
             clients = [c for k in dead for c in self._idle.pop(k)]
         for client in clients:

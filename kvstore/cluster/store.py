@@ -38,6 +38,7 @@ from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta, validate_key
 from kvstore.core.value import KVObject, Payload, writable_view
 from kvstore.errors import (
+    AuthenticationError,
     BufferTooSmallError,
     InvalidArgumentError,
     KeyNotFoundError,
@@ -181,7 +182,7 @@ class ClusterStore(KVStore):
                 return self._on(record, fn)
             except StoreTimeoutError:
                 raise
-            except StoreConnectionError:
+            except (StoreConnectionError, AuthenticationError):  # a refused home is skipped from now on
                 if attempt:
                     raise
                 self._live(force=True)
@@ -212,8 +213,8 @@ class ClusterStore(KVStore):
                 if not results:
                     raise  # it may or may not have been stored: let the caller decide
                 problems.append(StoreTimeoutError(f"node {record.node} timed out"))
-            except (StoreConnectionError, TransportError, StoreFullError) as exc:
-                problems.append(exc)
+            except (StoreConnectionError, TransportError, StoreFullError, AuthenticationError) as exc:
+                problems.append(exc)  # a refused node (wrong token, wrong address) is skipped from now on
         if not results:
             raise problems[-1]
         return results[0]
@@ -225,7 +226,7 @@ class ClusterStore(KVStore):
             return None
         try:
             return self._on(home, lambda c: c.read_index(key, fit))
-        except (StoreConnectionError, TransportError):
+        except (StoreConnectionError, TransportError, AuthenticationError):
             return None
 
     def _rank(self, entries: list[Entry]) -> list[Entry]:
@@ -241,7 +242,7 @@ class ClusterStore(KVStore):
                 return self._on(entry, lambda c, entry=entry: fn(c, entry))
             except KeyNotFoundError:
                 self._forget(entry)
-            except (StoreConnectionError, TransportError) as exc:
+            except (StoreConnectionError, TransportError, AuthenticationError) as exc:
                 problems.append(f"node {entry.node}: {exc}")
         detail = f" (owners unreachable: {'; '.join(problems)})" if problems else ""
         raise KeyNotFoundError(f"key {key!r} not found in the cluster{detail}")
@@ -344,7 +345,7 @@ class ClusterStore(KVStore):
         for record in self._live(force=True).values():
             try:
                 per[record.node] = self._on(record, lambda c: c.stats())
-            except (StoreConnectionError, TransportError) as exc:
+            except (StoreConnectionError, TransportError, AuthenticationError) as exc:
                 per[record.node] = {"error": str(exc)}
         out: dict = {name: sum(s.get(name, 0) for s in per.values())
                      for name in ("capacity_bytes", "used_bytes", "objects", "evictions", "expirations", "leases",
@@ -352,7 +353,7 @@ class ClusterStore(KVStore):
         home = self._home(list(self._live().values()))
         out.update(nodes=per, transport=self.transport, cluster={
             "members": sorted(per), "home": home.node if home else None, "placement": self.placement.value,
-            "replicas": self.replicas, "redis_round_trips": self.redis_round_trips})
+            "replicas": self.replicas, "redis_round_trips": self.redis_round_trips, "refused": self.pool.refusals()})
         return out
 
     def close(self) -> None:

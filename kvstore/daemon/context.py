@@ -23,6 +23,7 @@ class DaemonContext(Protocol):
     config: ServerConfig
     host_id: str
     pid: int
+    node_id: str  # "" unless a cluster member
     generation: int  # random per daemon start; its shared-memory index shows it to lock-free readers
     master: Master
     segments: SegmentSet

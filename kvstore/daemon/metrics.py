@@ -30,6 +30,14 @@ class Metrics:
                     g = GaugeMetricFamily(f"kvstore_{name}", f"Store {name.replace('_', ' ')}")
                     g.add_metric([], s[name])
                     yield g
+                refused = s.get("cluster", {}).get("refused")
+                if refused is not None:  # a cluster member: peers that failed the handshake
+                    g = GaugeMetricFamily("kvstore_cluster_refused_peers", "Cluster members refused in the "
+                                          "handshake (another token, or another daemon at their address)",
+                                          labels=["node"])
+                    for node in refused:
+                        g.add_metric([node], 1)
+                    yield g
 
         self.registry.register(_StoreCollector())
 

@@ -69,6 +69,7 @@ class Server:
     ``start`` / ``shutdown`` (call super)."""
 
     session_class: type[Session] = Session
+    node_id = ""  # a cluster member's node id (proven in the handshake, kvstore.daemon.handshake)
     # Created by start(), once the listeners are bound (a daemon that cannot listen leaves no memory behind);
     # sessions see them through the DaemonContext protocol (kvstore.daemon.context).
     master: Master

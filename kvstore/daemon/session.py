@@ -9,7 +9,6 @@ skipped) closes the connection. Every other client is unaffected either way.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import socket
 import time
@@ -25,6 +24,7 @@ from kvstore.daemon.arena_ops import ArenaOps
 from kvstore.daemon.disk_ops import DiskOps
 from kvstore.daemon.gpu_ops import GpuOps
 from kvstore.daemon.guards import PeerGone, SessionGuards
+from kvstore.daemon.handshake import Handshake
 from kvstore.daemon.quarantine import MAPS_MEMORY, PidWatch, peer_cred
 from kvstore.daemon.ucx_ops import UcxOps
 from kvstore.errors import (
@@ -72,6 +72,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
         self._unread_payload = False
         self.cred = peer_cred(sock)  # Unix sockets: the peer's pid and uid, from the kernel
         self.peer_key = f"uid:{self.cred.uid}" if self.cred is not None else peer.rsplit(":", 1)[0]
+        self.handshake = Handshake(ctx.config.token, ctx.node_id, local=self.cred is not None)
         self._watch: PidWatch | None = None  # the client's process, once it authenticates on a mapping transport
         self._task: asyncio.Task | None = None
         self._closed = False
@@ -212,7 +213,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
         self._unread_payload = op == "put" and message.get("mode") == "stream"
         try:
             op, rid, fields = wire.validate(message)
-            if self.client is None and op != "hello":
+            if self.client is None and op not in wire.PREAUTH_OPS:
                 raise AuthenticationError("the first request on a connection must be hello")
             if self.client is not None:
                 self.master.heartbeat(self.client)
@@ -259,7 +260,8 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
         """The ops this session serves, each with its handler. Every op's fields are declared in
         ``kvstore.protocol.wire.SCHEMA``; an op declared there but absent here gets a ProtocolError."""
         table = {
-            "hello": self.op_hello, "ping": self.op_ping, "put": self.op_put, "commit": self.op_commit,
+            "challenge": self.op_challenge, "hello": self.op_hello, "ping": self.op_ping, "put": self.op_put,
+            "commit": self.op_commit,
             "commit_many": self.op_commit_many, "abort": self.op_abort, "get": self.op_get,
             "release": self.op_release, "lease": self.op_lease, "exists": self.op_exists,
             "batch_exists": self.op_batch_exists, "evict": self.op_evict, "remove": self.op_remove,
@@ -272,11 +274,12 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
         table.update(self.disk_handlers())  # with --disk-path: the read ops also look on disk (disk_ops)
         return table
 
+    async def op_challenge(self, rid: int, f: dict) -> dict:
+        return self._ok(rid, **self.handshake.challenge(f["nonce"]))
+
     async def op_hello(self, rid: int, f: dict) -> dict:
         server = self.ctx
-        if server.config.token is not None and not hmac.compare_digest(
-                (f["token"] or "").encode(), server.config.token.encode()):
-            raise AuthenticationError("wrong or missing token")
+        self.handshake.check_hello(f)
         self.transport = server.choose_transport(f["transport"], f["host"], self.peer, f["transports"])
         self.client_host = f["host"]
         if self.client is None:

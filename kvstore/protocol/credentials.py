@@ -1,10 +1,20 @@
-"""Credentials: token files, the per-user directory of the default socket, and the peer check a client makes
-before it talks to a daemon over a Unix socket. See docs/security.md for the threat model.
+"""Credentials: token files, the per-user directory of the default socket, the peer check a client makes
+before it talks to a daemon over a Unix socket, and the challenge-response proofs by which a client and a
+daemon show each other that they know the token without sending it. See docs/security.md for the threat model.
+
+Handshake (``challenge`` then ``hello``): the client sends a fresh nonce; the daemon answers with its own nonce,
+its node id and ``server_proof``; the client checks it (and the node id it expected) before anything else goes
+out, then sends ``client_proof`` in its hello. Each proof is HMAC-SHA256 keyed by the token over a role label,
+both nonces and the daemon's node id, so neither side can replay or reflect the other's proof, and a listener
+that does not know the token learns nothing it can use.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -12,6 +22,9 @@ import struct
 from kvstore.errors import AuthenticationError, InvalidArgumentError
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+NONCE_BYTES = 32
+PROOF_BYTES = 32  # SHA-256
+_LABELS = {"server": b"kvstore/1 daemon proof\0", "client": b"kvstore/1 client proof\0"}
 
 
 def read_token_file(path: str) -> str:
@@ -68,3 +81,26 @@ def check_peer(sock: socket.socket, where: str) -> None:
         raise AuthenticationError(f"the daemon at {where} runs as uid {uid} (pid {pid}), not as this user "
                                   f"(uid {os.getuid()}) or root: refusing to talk to it (a socket squatted by "
                                   "another user?)")
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def proof(token: str, role: str, client_nonce: bytes, server_nonce: bytes, node: str) -> bytes:
+    """HMAC-SHA256(token, label(role) + client nonce + server nonce + node id). ``role`` is ``"server"`` (the
+    daemon's answer to a challenge) or ``"client"`` (the hello's); the labels keep one from passing for the other.
+    The nonces have a fixed length and the node id comes last, so the message cannot be split two ways."""
+    if len(client_nonce) != NONCE_BYTES or len(server_nonce) != NONCE_BYTES:
+        raise InvalidArgumentError(f"nonces must be {NONCE_BYTES} bytes, got {len(client_nonce)} and "
+                                   f"{len(server_nonce)}")
+    message = _LABELS[role] + client_nonce + server_nonce + node.encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).digest()
+
+
+def proof_ok(token: str, role: str, client_nonce: bytes, server_nonce: bytes, node: str, got: object) -> bool:
+    """Whether ``got`` is the proof ``role`` owes for these nonces and node id (constant-time compare)."""
+    if not isinstance(got, bytes) or len(got) != PROOF_BYTES or not isinstance(server_nonce, bytes) \
+            or len(server_nonce) != NONCE_BYTES:
+        return False
+    return hmac.compare_digest(proof(token, role, client_nonce, server_nonce, node), got)

@@ -25,6 +25,8 @@ MAX_FRAME = 1 << 20
 #: bytes, and an unauthenticated peer must not make the daemon buffer or decode a megabyte.
 MAX_PREAUTH_FRAME = 16 << 10
 LENGTH = struct.Struct("<I")
+#: the ops a connection may send before its hello succeeded
+PREAUTH_OPS = frozenset({"challenge", "hello"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +155,17 @@ def _bin(value: Any, name: str) -> bytes:
     return value
 
 
+def _bytes32(value: Any, name: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != 32:
+        raise InvalidArgumentError(f"field {name!r} must be 32 bytes, got {type(value).__name__} "
+                                   f"of length {len(value) if isinstance(value, bytes) else '-'}")
+    return value
+
+
+def _opt_bytes32(value: Any, name: str) -> bytes | None:
+    return None if value is None else _bytes32(value, name)
+
+
 def _names(value: Any, name: str) -> list[str]:
     if not isinstance(value, list) or len(value) > 32:
         raise InvalidArgumentError(f"field {name!r} must be a list of at most 32 names")
@@ -219,7 +232,12 @@ _GET: dict[str, Field] = {"key": (_key, True, None), "mode": (_mode, True, None)
 
 #: Every op any kvstore daemon accepts, with its fields: the whole protocol, declared once.
 SCHEMA: dict[str, dict[str, Field]] = {
-    "hello": {"client": (_str, False, ""), "token": (_opt_str, False, None), "transport": (_str, False, "auto"),
+    # before hello, a client that holds the token asks the daemon to prove it knows it (protocol.credentials)
+    "challenge": {"nonce": (_bytes32, True, None)},
+    # "proof" answers the challenge; "token" in clear is an older client's, accepted on a Unix socket only;
+    # "node": the cluster node id the client expects to find at this address (refused if it is another)
+    "hello": {"client": (_str, False, ""), "token": (_opt_str, False, None), "proof": (_opt_bytes32, False, None),
+              "node": (_opt_str, False, None), "transport": (_str, False, "auto"),
               "host": (_str, False, ""), "pid": (_int, False, 0), "transports": (_names, False, [])},
     "ping": {},
     "put": {"key": (_key, True, None), "size": (_int, True, None), "meta": (_map, True, None),
@@ -299,6 +317,7 @@ def error_reply(rid: int, exc: Exception) -> dict:
     return reply
 
 
-__all__ = ["VERSION", "MAX_FRAME", "MAX_PREAUTH_FRAME", "DecodeLimits", "REQUEST_LIMITS", "REPLY_LIMITS",
+__all__ = ["VERSION", "MAX_FRAME", "MAX_PREAUTH_FRAME", "PREAUTH_OPS", "DecodeLimits", "REQUEST_LIMITS",
+           "REPLY_LIMITS",
            "MAX_KEY_BYTES", "encode", "decode", "frame_length", "validate",
            "error_reply", "InvalidKeyError"]

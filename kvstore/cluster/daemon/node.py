@@ -283,6 +283,7 @@ class ClusterServer(Server):
                 except (redis.RedisError, OSError):
                     continue
                 self.remote.peers.prune({n: r.epoch for n, r in self.members.items()})
+                await self.remote.probe(self.members)
 
     async def remove_everywhere(self, keys: list[str]) -> list[int]:
         """Delete the directory entries of ``keys``; their holders drop their copies on the event."""
@@ -323,5 +324,6 @@ class ClusterServer(Server):
                           "degraded": pub.degraded, "reads": self.directory.round_trips,
                           "flush_p50_ms": round(1e3 * flush[len(flush) // 2], 3) if flush else None,
                           "flush_p99_ms": round(1e3 * flush[int(len(flush) * 0.99)], 3) if flush else None},
-            "remote_gets": self.remote.gets, "remote_misses": self.remote.misses, **self.counters}
+            "remote_gets": self.remote.gets, "remote_misses": self.remote.misses,
+            "refused": self.remote.peers.refusals(), **self.counters}
         return out

@@ -23,7 +23,13 @@ from kvstore.cluster.directory import Entry
 from kvstore.cluster.peers import PeerPool
 from kvstore.core.master import Lease
 from kvstore.core.meta import ObjectMeta
-from kvstore.errors import BufferTooSmallError, KeyNotFoundError, StoreConnectionError, TransportError
+from kvstore.errors import (
+    AuthenticationError,
+    BufferTooSmallError,
+    KeyNotFoundError,
+    StoreConnectionError,
+    TransportError,
+)
 
 if TYPE_CHECKING:
     from kvstore.cluster.daemon.context import ClusterContext
@@ -37,6 +43,28 @@ class RemoteReader:
         self.scratch: set[int] = set()  # replica ids of scratch copies (the master hooks skip them)
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-peer")
         self.gets = self.misses = 0
+        self._met: set[tuple[str, str]] = set()  # (node, epoch) that passed the handshake
+
+    async def probe(self, members: dict) -> None:
+        """Handshake with the members not yet met in their current boot epoch, so that one refused (another
+        token, or another daemon at its address) shows in stats and metrics before a read needs it."""
+        live = {(n, r.epoch) for n, r in members.items()}
+        self._met &= live
+        todo = [r for n, r in members.items() if n != self.ctx.node_id and (n, r.epoch) not in self._met
+                and not self.peers.suspected(n, r.epoch)]
+
+        def meet(record) -> None:
+            try:
+                self.peers.checkin(self.peers.checkout(record.node, record.epoch, record.addr))
+            except AuthenticationError as exc:
+                log.error("cluster member %s at %s refused: %s", record.node, record.addr, exc)
+            except (StoreConnectionError, TransportError):
+                pass  # unreachable for now: marked suspect, met later
+            else:
+                self._met.add((record.node, record.epoch))
+
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._threads, meet, r) for r in todo))
 
     async def entries(self, keys: list[str]) -> dict[str, list[Entry]] | None:
         """Live copies of ``keys`` on other nodes, best first; None when the directory cannot be reached."""
@@ -69,7 +97,7 @@ class RemoteReader:
                 return await self._fetch_from(entry, key, client)
             except KeyNotFoundError:
                 await self._forget(entry)
-            except (StoreConnectionError, TransportError) as exc:
+            except (StoreConnectionError, TransportError, AuthenticationError) as exc:
                 problems.append(f"node {entry.node}: {exc}")
         self.misses += 1
         detail = f" (owners unreachable: {'; '.join(problems)})" if problems else ""
