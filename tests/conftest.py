@@ -65,6 +65,17 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
     return predicate()
 
 
+def hello_proof(call: Callable[[dict], dict], token: str | None) -> dict:
+    """Ask for a challenge over ``call`` and return the hello field that answers it (nothing without a token)."""
+    from kvstore.protocol import credentials
+
+    if token is None:
+        return {}
+    nonce = credentials.new_nonce()
+    reply = call({"op": "challenge", "nonce": nonce})
+    return {"proof": credentials.proof(token, "client", nonce, reply["nonce"], reply["node"])}
+
+
 # ---- the daemon ---------------------------------------------------------------------------------------
 class Daemon(launcher.Daemon):
     """One ``kvstore serve`` subprocess listening on a Unix socket and a loopback TCP port, started by the
@@ -82,9 +93,11 @@ class Daemon(launcher.Daemon):
                          log_level="info", unix_path=unix_path, port=port, metrics_port=metrics_port,
                          token_file=token_file, insecure=insecure)
 
-    def hello_auth(self) -> dict:
-        """The token field of a hand-made hello."""
-        return {"token": self.token}
+    def hello_auth(self, call: Callable[[dict], dict] | None = None) -> dict:
+        """The credentials of a hand-made hello: with ``call`` (request -> reply on the connection that will
+        say hello), the proof answering a challenge; without, the token in clear (accepted on a Unix socket
+        only, as an older client's)."""
+        return {"token": self.token} if call is None else hello_proof(call, self.token)
 
     def _wait_ready(self, timeout: float) -> bool:
         # the listeners accept before the memory is set up; "serving" is logged once start() is done (signal

@@ -3,8 +3,8 @@
 With a token: ``challenge`` first, and nothing more is sent unless the daemon's answer proves the same token
 and names the node this client expected to find there (a cluster's directory says which node an address
 belongs to; Redis is not trusted with that). Then ``hello`` with the client's proof. Without a token, a plain
-hello (the daemon refuses it if it wants one). A daemon without a token cannot prove anything: a client that
-holds one talks to it only over a Unix socket, whose owner the kernel vouches for (``check_peer``).
+hello (the daemon refuses it if it wants one). A daemon without a token (``--insecure``, or a Unix socket only)
+cannot prove anything: a client talks to it at an address the user gave, but never as a cluster peer.
 See ``kvstore.daemon.handshake`` for the daemon's side and docs/security.md for the threat model.
 """
 
@@ -30,11 +30,11 @@ def say_hello(conn: Connection, token: str | None, fields: dict, node: str | Non
     server_nonce, served, proof = reply.get("nonce"), reply.get("node"), reply.get("proof")
     served = served if isinstance(served, str) else ""
     where = str(conn.endpoint)
-    if proof is None and conn.endpoint.scheme == "unix":
-        return conn.call(hello)  # a daemon of this user without a token: the socket's owner was checked
+    if proof is None and node is None:
+        return conn.call(hello)  # a daemon without a token, at the address the user gave: nothing to prove
     if proof is None:
-        raise AuthenticationError(f"the daemon at {where} has no token and cannot prove itself; this client holds "
-                                  "one and sends nothing to an unproven daemon over TCP")
+        raise AuthenticationError(f"the daemon at {where} has no token and cannot prove it is cluster node "
+                                  f"{node!r}; nothing is sent to an unproven peer")
     if not credentials.proof_ok(token, "server", client_nonce, server_nonce, served, proof):
         raise AuthenticationError(f"the daemon at {where} could not prove it knows the token (another token, or "
                                   "not a kvstore daemon of this deployment); nothing was sent to it")

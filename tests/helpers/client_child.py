@@ -30,7 +30,7 @@ import numpy as np
 
 import kvstore
 from kvstore.core.meta import ObjectMeta
-from kvstore.protocol import wire
+from kvstore.protocol import credentials, wire
 from kvstore.protocol.credentials import env_token
 from kvstore.protocol.url import Endpoint, host_id
 
@@ -105,8 +105,14 @@ def put_stream(url: str, key: str, size: int) -> None:
     family = socket.AF_UNIX if ep.scheme == "unix" else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.connect(ep.path if ep.scheme == "unix" else (ep.host, ep.port))
+    token, auth = env_token(), {}
+    if token is not None:  # prove the token without sending it (a hand-made hello's challenge)
+        nonce = credentials.new_nonce()
+        sock.sendall(wire.encode({"v": wire.VERSION, "id": 0, "op": "challenge", "nonce": nonce}))
+        reply = _read_reply(sock)
+        auth = {"proof": credentials.proof(token, "client", nonce, reply["nonce"], reply["node"])}
     sock.sendall(wire.encode({"v": wire.VERSION, "id": 1, "op": "hello", "client": "stalled-writer",
-                              "transport": "tcp", "host": host_id(), "pid": os.getpid(), "token": env_token()}))
+                              "transport": "tcp", "host": host_id(), "pid": os.getpid(), **auth}))
     _read_reply(sock)
     meta = ObjectMeta(key=key, size=size)
     sock.sendall(wire.encode({"v": wire.VERSION, "id": 2, "op": "put", "key": key, "size": size,

@@ -125,7 +125,7 @@ def raw(served):
         c = RawClient(url or served.tcp_url)
         clients.append(c)
         if hello:
-            c.hello(**{**served.hello_auth(), **fields})
+            c.hello(**{**served.hello_auth(c.call), **fields})
         return c
 
     yield make
@@ -467,8 +467,8 @@ def test_op_before_hello(raw):
                                          ({"client": ["x"]}, "InvalidArgument")])
 def test_bad_hello(raw, served, fields, code):
     c = raw(hello=False)
-    reply = c.call({"op": "hello", "client": "raw", "transport": "tcp", "host": host_id(), **served.hello_auth(),
-                    **fields})
+    reply = c.call({"op": "hello", "client": "raw", "transport": "tcp", "host": host_id(),
+                    **served.hello_auth(c.call), **fields})
     assert_error(reply, code)
 
 

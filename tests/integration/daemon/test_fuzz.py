@@ -10,6 +10,7 @@ import threading
 
 import msgpack
 import pytest
+from conftest import hello_proof
 from fuzz_frames import GOOD_BODIES
 from test_bad_input import RawClient, raw_frame
 
@@ -39,10 +40,10 @@ def mutate(rng: random.Random) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
-def fuzz_connection(url: str, frames: list[bytes], hello: dict) -> None:
+def fuzz_connection(url: str, frames: list[bytes], hello: dict, token: str | None) -> None:
     c = RawClient(url, timeout=2.0)
     try:
-        c.send(raw_frame(hello))
+        c.send(raw_frame({**hello, **hello_proof(c.call, token)}))
         c.reply()
         for frame in frames:
             c.send(frame)
@@ -58,8 +59,7 @@ def test_daemon_survives_fuzzed_frames(daemon_factory):
         s.put("fuzz/sentinel", b"s" * 100_000)
     rng = random.Random(1234)
     frames = [mutate(rng) for _ in range(FRAMES)]
-    hello = {"v": 1, "id": 1, "op": "hello", "client": "fuzz", "transport": "tcp", "host": "elsewhere",
-             **d.hello_auth()}
+    hello = {"v": 1, "id": 1, "op": "hello", "client": "fuzz", "transport": "tcp", "host": "elsewhere"}
     stop = threading.Event()
     pings: list[bool] = []
 
@@ -72,7 +72,7 @@ def test_daemon_survives_fuzzed_frames(daemon_factory):
     pinger = threading.Thread(target=ping_loop, daemon=True)
     pinger.start()
     for i in range(0, FRAMES, 20):  # 20 frames a connection, over both listeners
-        fuzz_connection(d.tcp_url if i % 40 else d.unix_url, frames[i:i + 20], hello)
+        fuzz_connection(d.tcp_url if i % 40 else d.unix_url, frames[i:i + 20], hello, d.token)
     stop.set()
     pinger.join(30)
     assert pings, "the well-behaved client got no ping answered"

@@ -11,7 +11,7 @@ import socket
 
 import pytest
 from client_child import pattern  # noqa: E402
-from conftest import Daemon, MiB, wait_until
+from conftest import Daemon, MiB, hello_proof, wait_until
 
 import kvstore
 from kvstore.core.meta import ObjectMeta
@@ -35,7 +35,12 @@ def _send(sock: socket.socket, rid: int, **msg) -> None:
 
 
 def _hello(sock: socket.socket, transport: str = "tcp") -> dict:
-    _send(sock, 1, op="hello", client="raw", transport=transport, host=host_id(), pid=os.getpid(), token=_token())
+    def call(message: dict) -> dict:
+        _send(sock, 0, **message)
+        return _reply(sock)
+
+    _send(sock, 1, op="hello", client="raw", transport=transport, host=host_id(), pid=os.getpid(),
+          **hello_proof(call, _token()))
     return _reply(sock)
 
 

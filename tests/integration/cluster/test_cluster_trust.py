@@ -1,0 +1,176 @@
+"""The cluster under attack and faults, with real processes (the fixtures of ``test_cluster``: a real
+redis-server and three ``kvstore serve --cluster`` daemons):
+
+- write access to Redis is not a key to the cluster: a forged node record pointing at a listener gets no token
+  (challenge-response both ways), a record advertising another node's address is refused (node identity in
+  the handshake), and a member with another token is skipped by puts and reads and shown in stats;
+- a Redis stall longer than the node TTL loses no object (a node cut off from Redis keeps its objects and
+  epoch, and takes back what the directory says nobody superseded).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import struct
+import threading
+import time
+
+import msgpack
+import pytest
+from conftest import short_tmpdir, wait_until
+from test_cluster import NS, TTL, Cluster, ClusterDaemon, payload
+
+import kvstore
+from kvstore.cluster.directory import encode_entry
+from kvstore.core.meta import ObjectMeta
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def cluster():
+    workdir = short_tmpdir()
+    c = Cluster(workdir)
+    yield c
+    c.close()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+class Listener:
+    """A TCP listener that records every byte it receives and answers each frame as a daemon would, with a
+    nonce, a node id and a proof it cannot really make (it does not know the token)."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.received = bytearray()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        with conn:
+            while True:
+                try:
+                    chunk = conn.recv(65536)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                with self._lock:
+                    self.received += chunk
+                buf += chunk
+                while len(buf) >= 4 and len(buf) >= 4 + struct.unpack("<I", buf[:4])[0]:
+                    n = struct.unpack("<I", buf[:4])[0]
+                    request, buf = msgpack.unpackb(buf[4:4 + n], raw=False), buf[4 + n:]
+                    reply = {"v": 1, "id": request.get("id", 0), "ok": True, "nonce": os.urandom(32),
+                             "node": "EVIL", "proof": os.urandom(32)}
+                    body = msgpack.packb(reply, use_bin_type=True)
+                    conn.sendall(struct.pack("<I", len(body)) + body)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def forge(cluster, node: str, addr: str, keys: tuple[str, ...] = (), epoch: str = "forged-1") -> None:
+    """What anyone with write access to Redis can do: a node record and directory entries naming it."""
+    rds = cluster.redis.client()
+    rds.hset(f"{NS}:node:{node}", mapping={"epoch": epoch, "addr": addr, "host": "elsewhere", "transports": "tcp",
+                                            "capacity": 1 << 30, "used": 0, "ttl_ms": 600_000})
+    rds.expire(f"{NS}:node:{node}", 600)
+    rds.sadd(f"{NS}:nodes", node)
+    for key in keys:
+        rds.hset(f"{NS}:obj:{key}", node, encode_entry(epoch, ObjectMeta(key=key, size=5, checksum=1, version=1)))
+
+
+def token(daemon) -> bytes:
+    with open(daemon.token_file, "rb") as f:
+        return f.read().strip()
+
+
+def test_forged_record_gets_no_token_and_no_read(cluster):
+    listener = Listener()
+    try:
+        forge(cluster, "EVIL", listener.addr, ("evil/k",))
+        c, plain_b = cluster.client("C"), cluster.daemon_client("B", "tcp")
+        with pytest.raises(kvstore.KeyNotFoundError):
+            c.get("evil/k")
+        with pytest.raises(kvstore.KeyNotFoundError):
+            plain_b.get("evil/k")
+        assert wait_until(lambda: b"challenge" in listener.received, 10)  # the listener was asked, and proved nothing
+        assert token(cluster.nodes["A"]) not in bytes(listener.received)
+        assert "EVIL" in c.stats()["cluster"]["refused"]
+        assert wait_until(lambda: "EVIL" in plain_b.stats()["cluster"]["refused"], 10)
+    finally:
+        listener.close()
+
+
+def test_record_advertising_another_nodes_address_is_refused(cluster):
+    forge(cluster, "FAKE", cluster.nodes["A"].tcp_url)
+    homed = cluster.client("FAKE")  # a client that believes FAKE is its home node
+    homed.put("id/k", b"must not land on A in FAKE's name")
+    stats = homed.stats()["cluster"]
+    assert "FAKE" in stats["refused"] and "FAKE" not in cluster.entries("id/k")
+    assert bytes(cluster.client("C").get("id/k")) == b"must not land on A in FAKE's name"
+
+
+def test_member_with_another_token_is_skipped_and_shown(cluster, tmp_path):
+    other = tmp_path / "other-token"
+    other.write_text("not-the-cluster-token\n")
+    other.chmod(0o600)
+    d = ClusterDaemon(cluster.workdir, cluster.redis, cluster.redis.url, "D", token_file=str(other))
+    cluster.nodes["D"] = d
+    d.start()
+    with d.connect("tcp", token="not-the-cluster-token", timeout=5) as own:
+        own.put("wt/on-d", b"only D can read this")
+    plain_a = cluster.daemon_client("A")
+    assert wait_until(lambda: "D" in plain_a.stats()["cluster"]["refused"], 4 * TTL), cluster.logs()
+    everywhere = cluster.client(placement="balanced", replicas=4)
+    everywhere.put("wt/k", b"on every member that proves the token")
+    assert set(cluster.entries("wt/k")) == {"A", "B", "C"}
+    with pytest.raises(kvstore.KeyNotFoundError):
+        everywhere.get("wt/on-d")
+    with pytest.raises(kvstore.KeyNotFoundError):
+        plain_a.get("wt/on-d")
+    assert "D" in everywhere.stats()["cluster"]["refused"]
+
+
+def test_redis_stall_longer_than_the_node_ttl_loses_nothing(cluster):
+    a, b = cluster.client("A"), cluster.client("B")
+    values = {f"stall/{n}/{i}": payload(f"stall/{n}/{i}", 3000 * (i + 1)) for n in "AB" for i in range(5)}
+    for key, value in values.items():
+        (a if "/A/" in key else b).put(key, value)
+    plain_a = cluster.daemon_client("A")
+    rds = cluster.redis.client()
+    epochs = {n: cluster.nodes[n].record(rds)["epoch"] for n in "AB"}
+    cluster.redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(3 * TTL)  # the condition under test: Redis frozen for longer than the node TTL
+        plain_a.put("stall/during", b"put while Redis was frozen")
+        time.sleep(TTL)
+    finally:
+        cluster.redis.proc.send_signal(signal.SIGCONT)
+    values["stall/during"] = b"put while Redis was frozen"
+    c = cluster.client("C")
+
+    def all_readable() -> bool:
+        try:
+            return all(bytes(c.get(k)) == v for k, v in values.items())
+        except kvstore.KeyNotFoundError:
+            return False
+
+    assert wait_until(all_readable, 6 * TTL, interval=0.2), cluster.logs()
+    assert {n: cluster.nodes[n].record(rds)["epoch"] for n in "AB"} == epochs  # same epoch: not a rejoin
+    counters = plain_a.stats()["cluster"]
+    assert counters["lapses"] == 0 and counters["resumes"] >= 1, counters
