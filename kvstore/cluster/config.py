@@ -133,6 +133,12 @@ class ClusterConfig:
     def heartbeat_period(self) -> float:
         return self.node_ttl / 3
 
+    @property
+    def cutoff_grace(self) -> float:
+        """How long the directory keeps a lapsed node's entries dormant: a node cut off from Redis for up to
+        this long takes back, with their versions, the objects nobody superseded or removed meanwhile."""
+        return max(300.0, 30 * self.node_ttl)
+
 
 def require_redis() -> None:
     """MissingExtraError unless the ``cluster`` extra (the redis client) is installed."""

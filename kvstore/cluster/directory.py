@@ -3,7 +3,8 @@
 ``P:obj:<key>`` is a hash: node id -> ``"<epoch> <xxh3 hex | -> " + msgpack([version, size, ObjectMeta wire])``.
 An entry counts only while the node's record (``P:node:<id>``) carries the same boot epoch; a lookup deletes
 the entries it finds dead (lazy cleanup), and a reader whose owner no longer has the object deletes that one
-entry (only if it is unchanged). Only the owning daemon writes its entries, after its master committed the
+entry (only if it is unchanged); a lapsed node's entries stay dormant while Redis remembers its epoch (see
+``membership.py``). Only the owning daemon writes its entries, after its master committed the
 object (see ``publisher.py``). Copies on several nodes coexist while their checksums agree; a publish of
 different content supersedes the others (last writer wins). Every publish and removal bumps ``P:seq`` and
 announces itself on the ``P:events`` channel: ``[kind, node, seq, items]`` in msgpack, kind ``p`` (items:
@@ -50,7 +51,8 @@ if #pub > 0 then redis.call('PUBLISH', p .. ':events', cmsgpack.pack({'p', node,
 return {seq}
 """
 
-# ARGV: namespace, then keys. Returns, per key, {node, value, addr, host, ...} of live entries.
+# ARGV: namespace, then keys. Returns, per key, {node, value, addr, host, ...} of live entries. Entries of a dead
+# epoch are deleted; those of a lapsed node whose epoch is still remembered (P:last) are dormant: kept, not served.
 LOOKUP_LUA = """
 local p = ARGV[1]
 local nodes = {}
@@ -64,14 +66,16 @@ for i = 2, #ARGV do
     local rec = nodes[n]
     if rec == nil then
       rec = redis.call('HMGET', p .. ':node:' .. n, 'epoch', 'addr', 'host')
+      if not rec[1] then rec[4] = redis.call('GET', p .. ':last:' .. n) end
       nodes[n] = rec
     end
-    if rec[1] and rec[1] == string.match(cur[j + 1], '^(%S+) ') then
+    local e = string.match(cur[j + 1], '^(%S+) ')
+    if rec[1] and rec[1] == e then
       live[#live + 1] = n
       live[#live + 1] = cur[j + 1]
       live[#live + 1] = rec[2]
       live[#live + 1] = rec[3]
-    else
+    elseif rec[1] or rec[4] ~= e then
       redis.call('HDEL', okey, n)
     end
   end

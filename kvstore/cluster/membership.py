@@ -2,10 +2,14 @@
 
 ``P:node:<id>`` (hash, PEXPIRE = node TTL): epoch, addr, host, transports, capacity, used, objects, pid, started,
 ttl_ms. A record that lapses means a dead (or partitioned) node: directory entries carrying its epoch stop
-counting. ``P:nodes`` (set) names every node ever seen (pruned as records lapse). ``P:cluster`` (string) is a
-marker written once per Redis lifetime: when a heartbeat finds it gone or changed, Redis lost its data and the
-daemon re-registers and republishes its objects; when only the record is gone, this node lapsed (stalled past
-its TTL while the cluster carried on) and must rejoin under a new epoch without its old objects.
+counting. ``P:last:<id>`` (string, PEXPIRE = ``ClusterConfig.cutoff_grace``) remembers the node's epoch past its
+record: while it does, the node's entries are *dormant* (not served, not cleaned up), so a node that was only
+cut off from Redis can take back every object nobody superseded or removed meanwhile. ``P:nodes`` (set) names
+every node ever seen (pruned as records lapse). ``P:cluster`` (string) is a marker written once per Redis
+lifetime: when a heartbeat finds it gone or changed, Redis lost its data and the daemon re-registers and
+republishes its objects. When only the record is gone, the heartbeat says why it may be: ``EXPIRED`` (the epoch
+is still remembered) or ``LAPSED`` (forgotten); the daemon knows whether Redis stopped answering it while its
+record was alive (cut off: resume) or it stalled itself (declared dead: rejoin under a new epoch, objects dropped).
 """
 
 from __future__ import annotations
@@ -25,16 +29,20 @@ from kvstore.errors import AuthenticationError, InvalidArgumentError, StoreConne
 
 log = logging.getLogger("kvstore.cluster")
 
-# ARGV: namespace, node, epoch, marker, ttl_ms, mode ('join' | 'beat'), addr, then field/value pairs.
+# ARGV: namespace, node, epoch, marker, ttl_ms, mode ('join' | 'beat'), addr, grace_ms, then field/value pairs.
 HEARTBEAT_LUA = """
 local p, node, epoch, marker, ttl, mode, addr = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local rec = p .. ':node:' .. node
+local last = p .. ':last:' .. node
 local mkey = p .. ':cluster'
 local cur = redis.call('GET', mkey)
 local e = redis.call('HGET', rec, 'epoch')
 if mode == 'beat' then
   if cur ~= marker then return {'LOST', cur or ''} end
-  if not e then return {'LAPSED', ''} end
+  if not e then
+    if redis.call('GET', last) == epoch then return {'EXPIRED', ''} end
+    return {'LAPSED', ''}
+  end
   if e ~= epoch then return {'TAKEN', e} end
 else
   if not cur then redis.call('SET', mkey, marker); cur = marker end
@@ -43,8 +51,9 @@ else
   end
   redis.call('DEL', rec)
 end
-redis.call('HSET', rec, 'epoch', epoch, 'addr', addr, unpack(ARGV, 8))
+redis.call('HSET', rec, 'epoch', epoch, 'addr', addr, unpack(ARGV, 9))
 redis.call('PEXPIRE', rec, ttl)
+redis.call('SET', last, epoch, 'PX', ARGV[8])
 redis.call('SADD', p .. ':nodes', node)
 return {'OK', cur}
 """
@@ -54,6 +63,7 @@ LEAVE_LUA = """
 local rec = ARGV[1] .. ':node:' .. ARGV[2]
 if redis.call('HGET', rec, 'epoch') == ARGV[3] then
   redis.call('DEL', rec)
+  redis.call('DEL', ARGV[1] .. ':last:' .. ARGV[2])
   redis.call('SREM', ARGV[1] .. ':nodes', ARGV[2])
   return 1
 end
@@ -79,7 +89,8 @@ return out
 
 class Beat(Enum):
     OK = "OK"            # record refreshed
-    LAPSED = "LAPSED"    # our record expired while Redis kept its data: we were declared dead
+    LAPSED = "LAPSED"    # our record expired and our epoch is forgotten: our entries are void
+    EXPIRED = "EXPIRED"  # our record expired, our epoch is remembered: our entries are dormant, not gone
     LOST = "LOST"        # Redis lost its data (restart without persistence, or a fresh server)
     TAKEN = "TAKEN"      # another live daemon registered under our node id
 
@@ -160,6 +171,7 @@ class Membership:
         self.marker = secrets.token_hex(8)
         self.joined = False
         self.last_ok = -math.inf
+        self.failing_since: float | None = None  # when the first heartbeat since the last good one failed
         self.started = time.time()
         self._heartbeat = redis.register_script(HEARTBEAT_LUA)
         self._leave = redis.register_script(LEAVE_LUA)
@@ -182,18 +194,29 @@ class Membership:
         for name, value in fields.items():
             flat += [name, value]
         return [self.names.namespace, cfg.node_id, self.epoch, self.marker, int(cfg.node_ttl * 1000), mode,
-                cfg.advertise, *flat]
+                cfg.advertise, int(cfg.cutoff_grace * 1000), *flat]
 
     async def _call(self, mode: str) -> tuple[str, str]:
         sent = time.monotonic()
-        status, detail = await self._heartbeat(args=self._args(mode))
+        try:
+            status, detail = await self._heartbeat(args=self._args(mode))
+        except Exception:
+            if self.failing_since is None:
+                self.failing_since = sent
+            raise
         self.beats += 1
         status, detail = _text(status), _text(detail)
         if status == "OK":
             self.joined = True
             self.last_ok = sent
             self.marker = detail
+            self.failing_since = None
         return status, detail
+
+    def cut_off(self) -> bool:
+        """Whether our record expired because Redis stopped answering us while it was still alive (we kept
+        trying: cut off), rather than because we stopped trying (stalled, and declared dead by the others)."""
+        return self.failing_since is not None and self.failing_since < self.last_ok + self.config.node_ttl
 
     async def join(self, timeout: float) -> None:
         """Register (at boot or to rejoin). Waits up to ``timeout`` for Redis to answer, or for a lapsing

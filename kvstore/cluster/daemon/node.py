@@ -7,10 +7,13 @@ callers and drops local copies that another node superseded or removed; and remo
 key it does not hold is looked up in the directory (one Redis round trip) and copied from its owner
 (``reader.py``) into a scratch region here, which the client reads like a local object.
 
-Failure rules. A lapsed record (this node stalled or was partitioned past its TTL while Redis kept its data) means
-the cluster declared us dead: we drop our objects and rejoin under a new epoch, so nothing stale is served. Redis
-losing its data (restart without persistence) is different: we re-register under the same epoch and republish
-every object we hold (the directory is rebuilt from the daemons' own indexes).
+Failure rules. A lapsed record after this node stalled (it stopped trying to heartbeat past its TTL while Redis
+kept its data) means the cluster declared us dead: we drop our objects and rejoin under a new epoch, so nothing
+stale is served. A record that expired because Redis did not answer us (Redis stalled, or we were cut off from
+it) while we kept trying is not that: our entries were kept dormant, so we re-register under the same epoch and
+drop only the copies that the directory says were superseded or removed meanwhile. Redis losing its data
+(restart without persistence) is different again: we re-register under the same epoch and republish every
+object we hold (the directory is rebuilt from the daemons' own indexes).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class ClusterServer(Server):
         self._last_beat_try = -math.inf
         self._reconcile_due = False  # events may have been missed: check our entries after the next good beat
         self._leaving = False
-        self.counters = {"superseded": 0, "removed_by_peers": 0, "lapses": 0, "rebuilds": 0}
+        self.counters = {"superseded": 0, "removed_by_peers": 0, "lapses": 0, "rebuilds": 0,
+                         "resumes": 0}
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -158,7 +162,10 @@ class ClusterServer(Server):
             self.request_stop()
             return
         self.publisher.active = False
-        if outcome is Beat.LAPSED:
+        if outcome is Beat.EXPIRED and self.membership.cut_off():
+            await self._resume()
+            return
+        if outcome in (Beat.LAPSED, Beat.EXPIRED):
             self.counters["lapses"] += 1
             log.warning("our node record lapsed (stalled or cut off for over %.1f s): dropping %d objects the "
                         "cluster already counts as lost, rejoining with a new epoch", self.cluster.node_ttl,
@@ -175,6 +182,21 @@ class ClusterServer(Server):
             self.publisher.activate()
         else:
             self.request_stop()
+
+    async def _resume(self) -> None:
+        """Redis stopped answering us for longer than our TTL, but nobody declared us dead while we could hear:
+        keep our epoch and objects (our entries were dormant, not deleted), re-register, and drop only the
+        copies whose entries someone superseded or removed meanwhile (the directory says which)."""
+        self.counters["resumes"] += 1
+        log.warning("Redis did not answer for over the node TTL (%.1f s): keeping our epoch and %d objects, "
+                    "dropping those the directory says were superseded meanwhile", self.cluster.node_ttl,
+                    len(self.owned))
+        self.membership.joined = False
+        if await self.membership.beat() is not Beat.OK:
+            self.request_stop()
+            return
+        self.publisher.activate()
+        await self._reconcile()
 
     # ---- master hooks -------------------------------------------------------------------------------
     def on_published(self, replica: Replica) -> None:
