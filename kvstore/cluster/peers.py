@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from kvstore.client.remote import RemoteStore
 from kvstore.client.store import PutFlags
@@ -38,7 +39,8 @@ class NodeClient(RemoteStore):
         """Copy the member's own copy of ``key`` into ``alloc(size)``; return its metadata.
 
         ``expect`` (a directory entry) lets a same-host read skip the round trip when the index shows that
-        very version. KeyNotFoundError if the member does not hold the key."""
+        very version, and gives the checksum of that version (the directory's, for ``verify``).
+        KeyNotFoundError if the member does not hold the key."""
         if expect is not None and self._index is not None:
             hit = self._index.read_into(key, alloc)
             if hit is not None and hit[1] == expect.version and hit[0] == expect.size:
@@ -52,6 +54,10 @@ class NodeClient(RemoteStore):
         meta = ObjectMeta.from_wire(reply["meta"])
         if not reply.get("stream") and "segment" not in reply:
             alloc(meta.size)  # a zero-byte object still checks the buffer
+        if expect is not None and meta.version == expect.version:
+            # the version the directory lists: ``verify`` checks the bytes against the directory's checksum, not
+            # against what the serving node says of them
+            meta = replace(meta, checksum=expect.meta.checksum)
         return meta
 
     def fetch(self, key: str, expect=None) -> KVObject:

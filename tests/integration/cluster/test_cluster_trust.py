@@ -17,6 +17,7 @@ import socket
 import struct
 import threading
 import time
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -24,7 +25,7 @@ from conftest import short_tmpdir, wait_until
 from test_cluster import NS, TTL, Cluster, ClusterDaemon, payload
 
 import kvstore
-from kvstore.cluster.directory import encode_entry
+from kvstore.cluster.directory import decode_entry, encode_entry
 from kvstore.core.meta import ObjectMeta
 
 pytestmark = pytest.mark.timeout(120)
@@ -174,3 +175,17 @@ def test_redis_stall_longer_than_the_node_ttl_loses_nothing(cluster):
     assert {n: cluster.nodes[n].record(rds)["epoch"] for n in "AB"} == epochs  # same epoch: not a rejoin
     counters = plain_a.stats()["cluster"]
     assert counters["lapses"] == 0 and counters["resumes"] >= 1, counters
+
+
+def test_verify_compares_fetched_bytes_with_the_directorys_checksum(cluster):
+    cluster.client("A").put("v/k", b"the bytes A holds")
+    rds = cluster.redis.client()
+    entry = decode_entry("v/k", "A", rds.hget(f"{NS}:obj:v/k", "A"), "", "")
+    wrong = replace(entry.meta, checksum=entry.meta.checksum ^ 1)  # the directory's record of that version
+    rds.hset(f"{NS}:obj:v/k", "A", encode_entry(entry.epoch, wrong))
+    for reader in (cluster.client("C"), cluster.daemon_client("B", "tcp")):
+        assert bytes(reader.get("v/k")) == b"the bytes A holds"  # unverified reads are served
+        with pytest.raises(kvstore.ChecksumError):
+            reader.get_into("v/k", bytearray(64), verify=True)
+        with pytest.raises(kvstore.ChecksumError):
+            reader.get("v/k", verify=True)
