@@ -100,9 +100,11 @@ class RemoteStore(KVStore):
                 except BaseException:
                     self._data.close()
                     raise
-                # trusted only while it shows this daemon's generation alive and heart-beating
+                # trusted only while it shows this daemon's generation alive and heart-beating (a cluster node
+                # gives a short lease: a stopped node must not serve what the others superseded meanwhile)
+                lease = hello.get("index_lease_s") or max(5.0, float(hello["heartbeat_s"]))
                 self._index = IndexReader(self._index_shm.buf, self._data.region, hello.get("generation"),
-                                          stale_after=max(5.0, float(hello["heartbeat_s"])))
+                                          stale_after=float(lease))
                 if hello.get("arena_bytes"):
                     self._arenas = ArenaWriter(self._conn, self._data, hello["arena_bytes"])
         except (TransportFailure, SharedMemoryError) as exc:

@@ -17,12 +17,22 @@ from kvstore.errors import KeyExistsError, KeyNotFoundError, StoreConnectionErro
 if TYPE_CHECKING:
     from kvstore.cluster.daemon.context import ClusterContext
 
+#: three rounds of the daemon's index heartbeat (every 0.5 s, ``Server._housekeeping``)
+INDEX_LEASE_S = 1.5
+
 
 class ClusterSession(Session):
     ctx: ClusterContext
 
     def handlers(self) -> dict[str, Handler]:
         return {**super().handlers(), "peer_get": self.op_peer_get, "peer_evict": self.op_peer_evict}
+
+    async def op_hello(self, rid: int, f: dict) -> dict:
+        reply = await super().op_hello(rid, f)
+        # A same-host reader trusts our shared-memory index only this long after our last heartbeat in it: a
+        # node stopped (SIGSTOP, a long pause) hears no supersede or removal, so its index must not outlive it
+        reply["index_lease_s"] = INDEX_LEASE_S
+        return reply
 
     async def _dispatch(self, message: dict) -> None:
         await self.ctx.ensure_fresh()
