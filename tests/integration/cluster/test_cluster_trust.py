@@ -188,7 +188,9 @@ def test_verify_compares_fetched_bytes_with_the_directorys_checksum(cluster):
     entry = decode_entry("v/k", "A", rds.hget(f"{NS}:obj:v/k", "A"), "", "")
     wrong = replace(entry.meta, checksum=entry.meta.checksum ^ 1)  # the directory's record of that version
     rds.hset(f"{NS}:obj:v/k", "A", encode_entry(entry.epoch, wrong))
-    for reader in (cluster.client("C"), cluster.daemon_client("B", "tcp")):
+    over_tcp = kvstore.connect(cluster.url + "?node=C", transport="tcp", timeout=5)  # bytes from A's stream path
+    cluster.stores.append(over_tcp)
+    for reader in (over_tcp, cluster.client("C"), cluster.daemon_client("B", "tcp")):
         assert bytes(reader.get("v/k")) == b"the bytes A holds"  # unverified reads are served
         with pytest.raises(kvstore.ChecksumError):
             reader.get_into("v/k", bytearray(64), verify=True)
