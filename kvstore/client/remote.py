@@ -88,10 +88,8 @@ class RemoteStore(KVStore):
         mapped (the connection is closed then)."""
         self._conn = Connection(self.endpoint, self.timeout)
         try:
-            hello = say_hello(self._conn, self._token, {"client": name, "transport": transport, "host": host_id(),
-                                                        "pid": os.getpid(), "transports": transports.names()},
-                              self.expected_node)
-            self.transport = hello["transport"]
+            hello = say_hello(self._conn, self._token, self._hello_fields(name, transport), self.expected_node)
+            self.transport, self._name, self._generation = hello["transport"], name, hello.get("generation")
             segments = {sid: (seg, size) for sid, seg, size in hello["segments"]}
             self._data = transports.get(self.transport)(segments)
             if isinstance(self._data, ShmTransport):  # shm, and cuda_ipc (which maps the same memory)
@@ -113,14 +111,33 @@ class RemoteStore(KVStore):
         except BaseException:
             self._conn.close()
             raise
+        self._conn.reconnects_with(self._reauth)
         return hello
+
+    @staticmethod
+    def _hello_fields(name: str, transport: str) -> dict:
+        return {"client": name, "transport": transport, "host": host_id(), "pid": os.getpid(),
+                "transports": transports.names()}
+
+    def _reauth(self, channel) -> None:
+        """A failure (a timed-out call) closed the control connection: say hello again on the new one. Only to
+        the same daemon (generation) on the same data path: the mapped segments and the index stay valid. What
+        the old connection held (leases, pending puts, arenas) the daemon revoked with it."""
+        hello = say_hello(channel, self._token, self._hello_fields(self._name, self.transport), self.expected_node)
+        if hello.get("generation") != self._generation or hello.get("transport") != self.transport:
+            raise StoreConnectionError(f"the daemon at {self.endpoint} restarted since this client connected: "
+                                       "open a new client")
+        self.client_id = hello["client_id"]
+        if self._arenas is not None:
+            self._arenas.forget()
+        log.info("%s: reconnected after a failed call (client id %s)", self.endpoint, self.client_id)
 
     def _beat(self, period: float) -> None:
         while not self._stop.wait(period):
             try:
                 self._conn.try_call({"op": "ping"})
             except Exception:
-                return  # the next real call reports the failure
+                continue  # the next real call reports the failure (and reconnects)
 
     def _path(self, size: int):
         return self._inline if size <= INLINE_MAX else self._data

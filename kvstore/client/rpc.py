@@ -1,7 +1,9 @@
 """Connection: the client's blocking control channel to the daemon (implements ``transports.Channel``).
 
 Every call is bounded by the connection's timeout; on a timeout or a broken socket the connection is closed
-(its framing can no longer be trusted) and a ConnectionError-family error is raised. Lease releases can be
+(its framing can no longer be trusted) and a ConnectionError-family error is raised. A connection given a
+``reauth`` (``reconnects_with``) opens a fresh socket on its next call and authenticates it first, so one timed
+out call does not leave the client unusable; one closed by ``close()`` stays closed. Lease releases can be
 queued from any thread (e.g. a garbage-collected zero-copy object) and go out, without waiting for a reply,
 ahead of the next request.
 """
@@ -9,11 +11,14 @@ ahead of the next request.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import select
 import socket
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from kvstore.errors import KVStoreError, ProtocolError, StoreConnectionError, StoreTimeoutError, error_from_wire
 from kvstore.protocol import wire
@@ -34,7 +39,31 @@ class Connection:
         self._buf = bytearray(_BUFFER)
         self._start = self._end = 0
         self._releases: collections.deque[int] = collections.deque()
+        self._reauth: weakref.WeakMethod | None = None
+        self._closed_by_user = False
+        self.reconnects = 0
         self._sock: socket.socket | None = self._open()
+
+    def reconnects_with(self, reauth: Callable[[Any], None]) -> None:
+        """After a failure closed this connection, the next call opens a new socket and runs ``reauth(channel)``
+        on it first (``channel.call`` and ``channel.endpoint``, as on a Connection). ``reauth`` is a bound method,
+        held weakly (the client that owns this connection)."""
+        self._reauth = weakref.WeakMethod(reauth)
+
+    def _reopen_locked(self) -> socket.socket:
+        reauth = self._reauth() if self._reauth is not None else None
+        if reauth is None or self._closed_by_user:
+            raise StoreConnectionError(f"connection to {self.endpoint} is closed")
+        self._sock = self._open()
+        self._start = self._end = 0
+        self._releases.clear()  # their leases went with the old connection
+        try:
+            reauth(_Unlocked(self))
+        except BaseException:
+            self._close_locked()
+            raise
+        self.reconnects += 1
+        return self._sock
 
     def _open(self) -> socket.socket:
         ep = self.endpoint
@@ -58,6 +87,25 @@ class Connection:
         tune(sock)
         return sock
 
+    @contextlib.contextmanager
+    def bounded(self, seconds: float | None) -> Iterator[None]:
+        """Calls made in the block (by this thread: a connection serves one caller at a time) are bounded by
+        ``seconds`` when that is shorter than the connection's timeout."""
+        if seconds is None or seconds >= self.timeout:
+            yield
+            return
+        with self._lock:
+            saved, self.timeout = self.timeout, seconds
+            if self._sock is not None:
+                self._sock.settimeout(seconds)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.timeout = saved
+                if self._sock is not None:
+                    self._sock.settimeout(saved)
+
     @property
     def closed(self) -> bool:
         return self._sock is None
@@ -67,7 +115,8 @@ class Connection:
         without a round trip: for the paths that read the daemon's shared memory without asking it."""
         sock = self._sock
         if sock is None:
-            raise StoreConnectionError(f"connection to {self.endpoint} is closed")
+            with self._lock:
+                sock = self._sock or self._reopen_locked()
         poller = select.poll()  # a socket with a timeout would wait in recv(): ask readiness without waiting
         poller.register(sock, select.POLLIN)
         if not poller.poll(0):
@@ -105,7 +154,7 @@ class Connection:
     def _call_locked(self, request: dict, payload, into, timeout) -> dict:
         sock = self._sock
         if sock is None:
-            raise StoreConnectionError(f"connection to {self.endpoint} is closed")
+            sock = self._reopen_locked()
         try:
             if timeout is not None:
                 sock.settimeout(timeout)
@@ -214,9 +263,20 @@ class Connection:
 
     def close(self) -> None:
         with self._lock:
+            self._closed_by_user = True
             if self._sock is not None:
                 try:
                     self._flush_releases(self._sock)
                 except OSError:
                     pass
             self._close_locked()
+
+
+class _Unlocked:
+    """A Connection's ``call`` for code that runs while the connection's lock is held (re-authentication)."""
+
+    def __init__(self, conn: Connection):
+        self._conn, self.endpoint = conn, conn.endpoint
+
+    def call(self, request: dict, payload: memoryview | None = None, into=None, timeout: float | None = None) -> dict:
+        return self._conn._call_locked(request, payload, into, timeout)

@@ -172,6 +172,7 @@ class Membership:
         self.joined = False
         self.last_ok = -math.inf
         self.failing_since: float | None = None  # when the first heartbeat since the last good one failed
+        self.failures = 0  # heartbeats failed in a row
         self.started = time.time()
         self._heartbeat = redis.register_script(HEARTBEAT_LUA)
         self._leave = redis.register_script(LEAVE_LUA)
@@ -203,6 +204,7 @@ class Membership:
         except Exception:
             if self.failing_since is None:
                 self.failing_since = sent
+            self.failures += 1
             raise
         self.beats += 1
         status, detail = _text(status), _text(detail)
@@ -210,13 +212,15 @@ class Membership:
             self.joined = True
             self.last_ok = sent
             self.marker = detail
-            self.failing_since = None
+            self.failing_since, self.failures = None, 0
         return status, detail
 
     def cut_off(self) -> bool:
         """Whether our record expired because Redis stopped answering us while it was still alive (we kept
-        trying: cut off), rather than because we stopped trying (stalled, and declared dead by the others)."""
-        return self.failing_since is not None and self.failing_since < self.last_ok + self.config.node_ttl
+        trying: cut off), rather than because we stopped trying (stalled, and declared dead by the others).
+        Two failures at least: one alone may be a heartbeat that was in flight when this process was stopped."""
+        return self.failures >= 2 and self.failing_since is not None and \
+            self.failing_since < self.last_ok + self.config.node_ttl
 
     async def join(self, timeout: float) -> None:
         """Register (at boot or to rejoin). Waits up to ``timeout`` for Redis to answer, or for a lapsing

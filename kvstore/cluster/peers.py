@@ -25,8 +25,8 @@ from kvstore.transports.base import TransportFailure
 
 
 class NodeClient(RemoteStore):
-    def __init__(self, node: str, epoch: str, addr: str, **options):
-        self.node, self.epoch = node, epoch
+    def __init__(self, node: str, epoch: str, addr: str, read_timeout: float | None = None, **options):
+        self.node, self.epoch, self.read_timeout = node, epoch, read_timeout
         self.expected_node = node  # the daemon at addr must prove it is this node (and knows the token)
         super().__init__(addr, **options)
 
@@ -46,8 +46,9 @@ class NodeClient(RemoteStore):
             if hit is not None and hit[1] == expect.version and hit[0] == expect.size:
                 return expect.meta
         try:
-            reply = self._data.get_into(self._conn, {"op": "peer_get", "key": key},
-                                        lambda r: alloc(r["meta"]["size"]))
+            with self._conn.bounded(self.read_timeout):  # a stalled owner costs the peer timeout, not more
+                reply = self._data.get_into(self._conn, {"op": "peer_get", "key": key},
+                                            lambda r: alloc(r["meta"]["size"]))
         except TransportFailure as exc:
             raise TransportError(f"get of {key!r} from node {self.node} failed on the {self.transport} path: "
                                  f"{exc}") from None
@@ -99,8 +100,10 @@ class PeerPool:
     rest of its boot epoch: skipped by reads and writes, and listed by ``refusals()`` for the operator."""
 
     def __init__(self, *, transport: str, timeout: float, token: str | None, client_name: str,
-                 suspect_s: float | None = None, idle_per_node: int = 4):
-        self.options = dict(transport=transport, timeout=timeout, token=token, client_name=client_name)
+                 suspect_s: float | None = None, idle_per_node: int = 4, read_timeout: float | None = None):
+        """``timeout`` bounds every call to a member; ``read_timeout`` (shorter) the reads of its objects."""
+        self.options = dict(transport=transport, timeout=timeout, token=token, client_name=client_name,
+                            read_timeout=read_timeout)
         self.suspect_s = suspect_s or timeout
         self.idle_per_node = idle_per_node
         self._idle: dict[tuple[str, str], list[NodeClient]] = {}

@@ -1,6 +1,7 @@
 """ClusterStore: the KVStore API over a whole cluster — ``kvstore.connect("kvcluster://HOST:PORT/DB")``.
 
-URL: ``kvcluster://[:PASSWORD@]REDIS_HOST:PORT/DB[?node=NAME&placement=local|balanced&replicas=N&namespace=NS]``;
+URL: ``kvcluster://[:PASSWORD@]REDIS_HOST:PORT/DB[?node=NAME&placement=local|balanced&replicas=N&namespace=NS
+&peer_timeout=S]``;
 ``kvclusters://`` reaches Redis over TLS, ``kvcluster+sentinel://[:PASSWORD@]S1:26379,S2:26379/SERVICE/DB`` through
 Sentinel; other query parameters go to the Redis client (e.g. ``ssl_ca_certs``).
 
@@ -8,7 +9,8 @@ Reads: a key the home daemon (the member on this host, or ``node=``) holds is co
 index without a round trip; any other key costs one directory lookup (one Redis round trip; ``batch_get_into``
 and ``batch_exists`` share one per 512 keys) and is copied straight from a node holding it — one transfer,
 shared memory on this host, TCP elsewhere. A dead owner with no live copy left: KeyNotFoundError, bounded by
-``timeout`` (an unreachable node is skipped for a while after it timed out once).
+``peer_timeout`` per owner tried (default the smaller of ``timeout`` and 5 s, the daemons' default; an
+unreachable node is skipped for a while after it timed out once). Redis calls are bounded by ``timeout``.
 Writes: placement ``local`` (default) writes into the home daemon at shared-memory speed; ``balanced`` (or no
 member on this host) picks members weighted by free capacity. ``replicas=N`` writes N copies on distinct nodes
 (fewer if fewer are live). The daemons publish directory entries themselves, after they committed.
@@ -50,7 +52,7 @@ from kvstore.errors import (
 from kvstore.protocol.url import host_id
 
 MEMBERS_MAX_AGE_S = 1.0
-_OPTIONS = ("node", "placement", "replicas", "namespace")
+_OPTIONS = ("node", "placement", "replicas", "namespace", "peer_timeout")
 _SCHEMES = {"kvcluster": "redis", "kvclusters": "rediss", "kvcluster+sentinel": "redis+sentinel"}
 
 
@@ -66,6 +68,7 @@ class ClusterURL:
     placement: Placement = Placement.LOCAL
     replicas: int = 1
     namespace: str = "kvstore"
+    peer_timeout: float | None = None
 
     @classmethod
     def parse(cls, url: str) -> ClusterURL:
@@ -80,7 +83,18 @@ class ClusterURL:
                    node=check_name(ours["node"], "node") if "node" in ours else None,
                    placement=_placement(ours.get("placement", "local")),
                    replicas=_replicas(ours.get("replicas", "1")),
-                   namespace=check_name(ours.get("namespace", "kvstore"), "namespace"))
+                   namespace=check_name(ours.get("namespace", "kvstore"), "namespace"),
+                   peer_timeout=_seconds(ours["peer_timeout"], "peer_timeout") if "peer_timeout" in ours else None)
+
+
+def _seconds(value: Any, what: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if isinstance(value, bool) or not 0 < seconds <= 3600:
+        raise InvalidArgumentError(f"{what} must be between 0 and 3600 seconds, got {value!r}")
+    return seconds
 
 
 def _placement(value: Any) -> Placement:
@@ -103,7 +117,7 @@ def _replicas(value: Any) -> int:
 class ClusterStore(KVStore):
     def __init__(self, url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
                  client_name: str = "", node: str | None = None, placement: str | Placement | None = None,
-                 replicas: int | None = None):
+                 replicas: int | None = None, peer_timeout: float | None = None):
         opts = ClusterURL.parse(url)
         self.node = check_name(node, "node") if node is not None else opts.node
         self.placement = _placement(placement) if placement is not None else opts.placement
@@ -115,7 +129,10 @@ class ClusterStore(KVStore):
         self._redis = open_redis(opts.redis_url, timeout, asynchronous=False)
         self.directory = Directory(self._redis, self.names)
         self._members_script = self._redis.register_script(MEMBERS_LUA)
-        self.pool = PeerPool(transport=transport, timeout=timeout, token=token,
+        if peer_timeout is not None:
+            peer_timeout = _seconds(peer_timeout, "peer_timeout")
+        self.peer_timeout = peer_timeout or opts.peer_timeout or min(timeout, 5.0)
+        self.pool = PeerPool(transport=transport, timeout=timeout, read_timeout=self.peer_timeout, token=token,
                              client_name=client_name or f"pid-{os.getpid()}")
         self._lock = threading.Lock()
         self._members: dict[str, NodeRecord] = {}

@@ -124,8 +124,10 @@ class ClusterServer(Server):
 
     async def ensure_fresh(self) -> None:
         """Before serving a request: if our record may have lapsed (e.g. we were stopped), heartbeat first, so
-        a lapse drops our objects before anyone reads them. Bounded; never raises."""
-        if self.membership.fresh() or not self.membership.joined or self._leaving:
+        a lapse drops our objects before anyone reads them. Bounded; never raises. Not while Redis is known to
+        be failing us (we are cut off, not stalled: our objects stay ours, and waiting would only slow every
+        request by the Redis timeout)."""
+        if self.membership.fresh() or not self.membership.joined or self._leaving or self.membership.cut_off():
             return
         if (self._beat_task is None or self._beat_task.done()) and \
                 time.monotonic() - self._last_beat_try >= self.cluster.heartbeat_period / 2:

@@ -224,3 +224,34 @@ def test_stopped_owner_never_serves_superseded_or_removed_objects_to_same_host_r
         assert ("st/k1", b"new, written on B") in seen and ("st/k2", "KeyNotFoundError") in seen, seen
     finally:
         cluster.nodes["A"].send(signal.SIGCONT)
+
+
+def test_unix_client_reconnects_after_a_timed_out_remote_get(cluster):
+    cluster.client("B").put("rc/b", b"on B")
+    plain_a = cluster.nodes["A"].connect("shm", timeout=0.7)  # shorter than the daemon's Redis timeout (1 s)
+    cluster.stores.append(plain_a)
+    plain_a.put("rc/a", b"on A")
+    cluster.redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(kvstore.StoreTimeoutError):
+            plain_a.get("rc/b")  # the daemon waits on the directory longer than this client waits on it
+    finally:
+        cluster.redis.proc.send_signal(signal.SIGCONT)
+    assert bytes(plain_a.get("rc/a")) == b"on A"  # a new connection, authenticated again
+    assert bytes(plain_a.get("rc/b")) == b"on B"
+    assert plain_a._conn.reconnects == 1
+
+
+def test_cluster_client_read_from_a_stalled_owner_is_bounded_by_the_peer_timeout(cluster):
+    cluster.client("A").put("pt/a", b"on A")
+    c = kvstore.connect(cluster.url + "?node=C", transport="tcp", timeout=20)  # peer timeout: 5 s by default
+    cluster.stores.append(c)
+    assert c.peer_timeout == 5.0 and bytes(c.get("pt/a")) == b"on A"
+    cluster.nodes["A"].send(signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        with pytest.raises(kvstore.KeyNotFoundError):
+            c.get("pt/a")
+        assert time.monotonic() - began < c.peer_timeout + 5, "the read waited for the client timeout"
+    finally:
+        cluster.nodes["A"].send(signal.SIGCONT)
