@@ -28,7 +28,9 @@ def test_handlers_are_the_subclass_overrides():
     session = ClusterSession.__new__(ClusterSession)
     table = session.handlers()
     assert table["get"].__func__ is ClusterSession.op_get
-    assert table["hello"].__func__ is Session.op_hello
+    assert table["hello"].__func__ is ClusterSession.op_hello  # adds the index lease
+    assert table["put"].__func__ is ClusterSession.op_put
+    assert table["ping"].__func__ is Session.op_ping
 
 
 def test_building_a_cluster_daemon_leaves_the_schema_alone():
