@@ -104,7 +104,7 @@ def _stats(args: argparse.Namespace) -> int:
     print(f"capacity      {format_size(cap)}\nused          {format_size(used)} ({100 * used / max(cap, 1):.1f} %)")
     for name in ("objects", "pending", "leases", "evictions", "expirations", "clients", "fragmentation", "relocations",
                  "refusals"):
-        print(f"{name:<14}{stats[name]}")
+        print(f"{name:<14}{stats.get(name, '-')}")  # a cluster client's totals lack the per-daemon ones
     if "disk_capacity_bytes" in stats:
         dused, dcap = stats["disk_used_bytes"], stats["disk_capacity_bytes"]
         print(f"disk tier     {stats['disk_path']} ({stats['disk_policy']})\n"
@@ -113,6 +113,12 @@ def _stats(args: argparse.Namespace) -> int:
             print(f"{name:<14}{stats[name]}")
     for conn in stats.get("connections", []):
         print(f"client        {conn['client']} via {conn['transport']} ({conn['peer']})")
+    cluster = stats.get("cluster") or {}
+    if cluster:
+        print(f"cluster node  {cluster.get('node') or cluster.get('home')}; members "
+              f"{', '.join(printable(m) for m in cluster.get('members', []))}")
+    for node, why in sorted(cluster.get("refused", {}).items()):  # another token, or not the node it claims
+        print(f"REFUSED peer  {printable(node)}: {printable(why)}")
     return 0
 
 
