@@ -1,7 +1,7 @@
 """A hand-off across a real, shaped link: prefill on host a, decode on host b, against the raw socket on the link.
 
-    sudo python -m benchmarks.bench_link [--rates 1,10,25] [--blocks 16,64,256] [-n 5] [--compression off]
-                                         [--json PATH]
+    sudo python -m benchmarks.bench_link [--rates 1,10,25] [--blocks 16,64,256] [-n 5]
+                                         [--compression default,lz4,auto] [--codec-only] [--json PATH]
 
 Hosts are network namespaces with private /dev/shm and /tmp (``kvstore.testing.hosts``), joined by a veth pair
 shaped with ``tc tbf`` to each rate in turn. A ``kvstore serve`` daemon runs on host a; a publisher on a writes
@@ -12,8 +12,15 @@ simple deployment: one remote daemon). Geometry: Llama-3-8B (32 layers x 2 x 8 K
 For every rate and request size, in the same run: the raw socket moving the request's bytes from a to b
 (``kvstore.testing.rawlink``: sendall / recv_into, acknowledged), then ``n`` hand-offs (publish, then fetch:
 wait, layout checks, transfer, fused checksums, scatter). ``fetch/raw`` is the raw socket's median time over the
-fetch's (target >= 0.8); ``e2e/raw`` the same for publish + fetch. Needs root (namespaces); exits with the
-reason where they cannot be made.
+fetch's (target >= 0.8); ``e2e/raw`` the same for publish + fetch. ``--compression`` names the fetchers'
+wire modes to compare (``default`` is the library's default, off), each a client of its own on host b.
+
+First, the compressor on this CPU (one thread, the frames that go on the wire: ``kvstore.protocol.compression``):
+GB/s compressing and decompressing, and ratio, on random bytes, on random-weight KV (randn in bf16) and on the
+KV that the benchmark engine's model (benchmarks.pd, random weights, bf16) writes for a 1,024-token prompt;
+then, for each rate, the ratio that KV would need for compression to pay (see ``needed_ratio``).
+``--codec-only`` stops there (no root needed). Needs root for the link part; exits with the reason where
+namespaces cannot be made.
 """
 
 from __future__ import annotations
@@ -159,6 +166,88 @@ def run(args: argparse.Namespace) -> dict:
                                                                                       time.gmtime())}
 
 
+def _model_kv(tokens: int = 1024) -> bytes:
+    """The KV cache the benchmark engine's model (random weights, bf16) writes while prefilling ``tokens``."""
+    import torch
+
+    from benchmarks.pd.attention import AttentionBatch, SeqChunk
+    from benchmarks.pd.kv_cache import CacheSpec, PagedKVCache
+    from benchmarks.pd.model import LlamaModel, ModelConfig
+
+    cfg = ModelConfig(dtype="bfloat16")
+    blocks = -(-tokens // 16)
+    cache = PagedKVCache(CacheSpec(cfg.num_layers, blocks, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16))
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+    batch = AttentionBatch.build([SeqChunk(list(range(blocks)), 0, tokens)], cache)
+    LlamaModel(cfg)(ids, batch, cache)
+    return b"".join(t.view(torch.uint8).numpy().tobytes() for t in cache.layers)
+
+
+def codec_rows(nbytes: int = 32 << 20) -> list[dict]:
+    """lz4 and lz4-shuffle frames on three kinds of data: ratio, compress and decompress GB/s (median of 3)."""
+    import numpy as np
+    import torch
+
+    from kvstore.protocol import compression as cz
+
+    model_kv = _model_kv()
+    data = {"random bytes": np.random.default_rng(0).bytes(nbytes),
+            "randn bf16": torch.randn(nbytes // 2, generator=torch.Generator().manual_seed(0)).to(
+                torch.bfloat16).view(torch.uint8).numpy().tobytes(),
+            "model KV bf16": (model_kv * (nbytes // len(model_kv) + 1))[:nbytes]}
+    rows = []
+    for name, raw in data.items():
+        for codec in cz.CODECS:
+            times_c, times_d = [], []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                encoder = cz.Encoder(memoryview(raw), codec)
+                frames = list(encoder)
+                times_c.append(time.perf_counter() - t0)
+                out, pos = memoryview(bytearray(len(raw))), 0
+                t0 = time.perf_counter()
+                for header, body in frames:
+                    frame = cz.parse_header(header, len(raw) - pos)
+                    cz.decode(frame, body, out[pos:pos + frame.raw_len])
+                    pos += frame.raw_len
+                times_d.append(time.perf_counter() - t0)
+            rows.append({"data": name, "codec": codec, "ratio": len(raw) / encoder.wire_bytes,
+                         "frames_compressed": encoder.compressed, "frames": encoder.count,
+                         "compress_gbs": len(raw) / sorted(times_c)[1] / 1e9,
+                         "decompress_gbs": len(raw) / sorted(times_d)[1] / 1e9})
+    return rows
+
+
+def needed_ratio(link_gbs: float, compress_gbs: float, decompress_gbs: float) -> tuple[float, float]:
+    """The ratio r at which a compressed transfer matches a plain one on a link of ``link_gbs`` GB/s.
+    Serial (compress, send, decompress one after the other): S/c + S/(rL) + S/d = S/L, so r = 1 / (1 - L/c - L/d)
+    (infinite when L/c + L/d >= 1). Overlapped (the three run at once, as frames pipeline): the slowest stage
+    sets the pace, min(c, d, rL) = L, so any r > 1 pays while c and d both exceed L, none otherwise."""
+    spare = 1 - link_gbs / compress_gbs - link_gbs / decompress_gbs
+    serial = 1 / spare if spare > 0 else float("inf")
+    overlapped = 1.0 if min(compress_gbs, decompress_gbs) > link_gbs else float("inf")
+    return serial, overlapped
+
+
+CODEC_COLUMNS = [Column("data", "<14", "data"), Column("codec", "<12", "codec"), Column("ratio", ">7.3f", "ratio"),
+                 Column("lz4 frames", ">10", lambda r: f"{r['frames_compressed']}/{r['frames']}"),
+                 Column("compress GB/s", ">13.2f", "compress_gbs"),
+                 Column("decompress GB/s", ">15.2f", "decompress_gbs")]
+
+
+def print_codec(rows: list[dict], rates: list[float]) -> list[dict]:
+    print(format_table(CODEC_COLUMNS, rows), flush=True)
+    kv = next(r for r in rows if r["data"] == "model KV bf16" and r["codec"] == "lz4")
+    needs = []
+    for rate in rates:
+        serial, overlapped = needed_ratio(rate / 8, kv["compress_gbs"], kv["decompress_gbs"])
+        needs.append({"rate_gbit": rate, "serial": serial, "overlapped": overlapped, "measured_ratio": kv["ratio"]})
+        print(f"# {rate:g} Gbit/s = {rate / 8:.3f} GB/s: lz4 at {kv['compress_gbs']:.2f} / {kv['decompress_gbs']:.2f} "
+              f"GB/s pays above ratio {serial:.2f} (serial) / {overlapped:.2f} (overlapped); model KV has "
+              f"{kv['ratio']:.3f}", flush=True)
+    return needs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default=",".join(str(r) for r in H.RATES_GBIT), help="Gbit/s, comma-separated")
@@ -166,15 +255,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=5, help="timed hand-offs per rate and size (after one warm-up)")
     parser.add_argument("--compression", default="default",
                         help="the fetcher's wire compression modes to compare, comma-separated")
+    parser.add_argument("--codec-only", action="store_true", help="measure the compressor only (no namespaces)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error(f"-n must be at least 1, got {args.n}")
-    reason = H.unavailable_reason()
-    if reason is not None:
-        print(f"bench_link: {reason}", file=sys.stderr)
-        return 2
-    result = run(args)
+    print(f"# {describe(machine())}", flush=True)
+    codec = codec_rows()
+    needs = print_codec(codec, [float(r) for r in args.rates.split(",")])
+    result = {"machine": machine(), "codec": codec, "needed_ratio": needs}
+    if not args.codec_only:
+        reason = H.unavailable_reason()
+        if reason is not None:
+            print(f"bench_link: {reason}", file=sys.stderr)
+            return 2
+        result.update(run(args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
