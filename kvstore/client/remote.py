@@ -113,6 +113,14 @@ class RemoteStore(KVStore):
 
     def _beat(self, period: float) -> None:
         while not self._stop.wait(period):
+            waiter = self._waiter
+            if waiter is not None and not waiter.closed:
+                # the wait() connection too: idle between waits for longer than the daemon's heartbeat
+                # timeout, it would be dropped and the next wait would fail
+                try:
+                    waiter.try_call({"op": "ping"})
+                except Exception:
+                    pass  # closed now: the next wait() opens another
             try:
                 self._conn.try_call({"op": "ping"})
             except Exception:
