@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore import transports
 from kvstore.client.arena import ArenaWriter, check_commit_size, commit_fits
+from kvstore.client.compression import WirePolicy
 from kvstore.client.device import DirectDeviceMemory
 from kvstore.client.handshake import say_hello
 from kvstore.client.rpc import Connection
@@ -50,8 +52,9 @@ class RemoteStore(KVStore):
     expected_node: str | None = None
 
     def __init__(self, url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
-                 client_name: str = ""):
+                 client_name: str = "", compression: str = "off"):
         self.endpoint = Endpoint.parse(url)
+        self.wire = WirePolicy(compression)  # lz4 on the tcp path's payloads: off, lz4, lz4-shuffle or auto
         if self.endpoint.scheme == "ucx":
             raise InvalidArgumentError(f"{url} is a daemon's UCX data endpoint; connect to its unix:// or tcp:// "
                                        "address with transport='ucx'")
@@ -134,6 +137,14 @@ class RemoteStore(KVStore):
 
     def _beat(self, period: float) -> None:
         while not self._stop.wait(period):
+            waiter = self._waiter
+            if waiter is not None and not waiter.closed:
+                # the wait() connection too: idle between waits for longer than the daemon's heartbeat
+                # timeout, it would be dropped and the next wait would fail
+                try:
+                    waiter.try_call({"op": "ping"})
+                except Exception:
+                    pass  # closed now: the next wait() opens another
             try:
                 self._conn.try_call({"op": "ping"})
             except Exception:
@@ -205,7 +216,16 @@ class RemoteStore(KVStore):
         try:
             if isinstance(payload.view, DeviceBuffer):  # routed here by device_memory().put_many
                 return self._direct_device().put(request, payload.view, digest)
-            return self._quota_retry(lambda: self._path(meta.size).put(self._conn, request, payload.view, digest))
+            path = self._path(meta.size)
+            if path is self._data and isinstance(path, StreamTransport):
+                codec = self.wire.choose()
+                if codec is not None:
+                    request["compress"] = codec
+                started = time.perf_counter()
+                reply = self._quota_retry(lambda: path.put(self._conn, request, payload.view, digest))
+                self.wire.observe(meta.size, time.perf_counter() - started, codec, payload.view)
+                return reply
+            return self._quota_retry(lambda: path.put(self._conn, request, payload.view, digest))
         except TransportFailure as exc:
             raise TransportError(f"put of {meta.key!r} failed on the {self.transport} path: {exc}") from None
 
@@ -304,10 +324,24 @@ class RemoteStore(KVStore):
 
     def _read(self, key: str, dst: Callable[[dict], memoryview], path) -> dict:
         request = {"op": "get", "key": key}
+        codec = self.wire.choose() if isinstance(path, StreamTransport) else None
+        if codec is not None:
+            request["compress"] = codec
+        landed: list[memoryview] = []
+
+        def into(reply: dict) -> memoryview:
+            landed.append(dst(reply))
+            return landed[0]
+
+        started = time.perf_counter()
         try:
-            return path.get_into(self._conn, request, dst)
+            reply = path.get_into(self._conn, request, into)
         except TransportFailure as exc:
             raise TransportError(f"get of {key!r} failed on the {self.transport} path: {exc}") from None
+        if codec is not None or isinstance(path, StreamTransport):
+            size = reply.get("frames") or reply.get("stream") or 0
+            self.wire.observe(size, time.perf_counter() - started, codec, landed[0][:size] if landed else None)
+        return reply
 
     def _get(self, key: str, *, copy: bool) -> KVObject:
         if not isinstance(self._data, ShmTransport):
@@ -397,6 +431,7 @@ class RemoteStore(KVStore):
     def stats(self) -> dict:
         out = self._call("stats")
         out["transport"] = self.transport
+        out["compression"] = self.wire.describe()
         device = self.device_memory()
         out["device_path"] = device.describe() if device is not None else "none: this path moves host memory only"
         return out

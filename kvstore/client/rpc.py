@@ -20,8 +20,15 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvstore.errors import KVStoreError, ProtocolError, StoreConnectionError, StoreTimeoutError, error_from_wire
-from kvstore.protocol import wire
+from kvstore.errors import (
+    ChecksumError,
+    KVStoreError,
+    ProtocolError,
+    StoreConnectionError,
+    StoreTimeoutError,
+    error_from_wire,
+)
+from kvstore.protocol import compression, wire
 from kvstore.protocol.credentials import check_peer
 from kvstore.protocol.url import Endpoint
 from kvstore.transports.tcp import tune
@@ -42,6 +49,8 @@ class Connection:
         self._reauth: weakref.WeakMethod | None = None
         self._closed_by_user = False
         self.reconnects = 0
+        self._lz4_scratch: memoryview | None = None
+        self.last_wire_bytes = 0  # bytes the last compressed payload took on the wire
         self._sock: socket.socket | None = self._open()
 
     def reconnects_with(self, reauth: Callable[[Any], None]) -> None:
@@ -161,7 +170,10 @@ class Connection:
             self._flush_releases(sock)
             rid = next(self._ids)
             frame = wire.encode({"v": wire.VERSION, "id": rid, **request})
-            if payload is not None and len(payload) <= _BUFFER:
+            if payload is not None and request.get("compress") and len(payload) >= compression.MIN_SIZE:
+                sock.sendall(frame)
+                self._send_frames(sock, payload, request["compress"])
+            elif payload is not None and len(payload) <= _BUFFER:
                 sock.sendall(frame + payload)
             else:
                 sock.sendall(frame)
@@ -178,6 +190,8 @@ class Connection:
                 raise error_from_wire(str(reply.get("error")), str(reply.get("message")), reply.get("extra"))
             if reply.get("stream"):
                 self._receive_stream(sock, reply, into)
+            elif reply.get("frames"):
+                self._receive_frames(sock, reply, into)
             return reply
         except KVStoreError:
             raise  # the daemon's typed answer (some are OSError subclasses): not a broken connection
@@ -209,6 +223,57 @@ class Connection:
             self._skip(sock, size)
             raise ProtocolError("daemon streamed bytes nobody asked for")
         self._read_into(sock, dst[:size])
+
+    # ---- compressed payloads (kvstore.protocol.compression) ------------------------------------------
+    def _send_frames(self, sock: socket.socket, payload: memoryview, codec: str) -> None:
+        # compressing frame i+1 overlaps with the kernel sending frame i out of the socket buffer
+        encoder = compression.Encoder(payload, codec)
+        for header, body in encoder:
+            sock.sendall(header)
+            sock.sendall(body)
+        self.last_wire_bytes = encoder.wire_bytes
+
+    def _receive_frames(self, sock: socket.socket, reply: dict, into) -> None:
+        """Decode the frames of a ``frames: size`` reply into ``into(reply)``, checking each. A corrupted frame
+        raises ChecksumError after the rest are read (the connection stays in step; the buffer holds undefined
+        bytes); a bad header raises ProtocolError and closes the connection."""
+        size = reply["frames"]
+        try:
+            dst = into(reply) if into is not None else None
+        except BaseException as exc:
+            error: BaseException | None = exc
+            dst = None
+        else:
+            error = None if dst is not None else ProtocolError("daemon streamed bytes nobody asked for")
+        header = memoryview(bytearray(compression.HEADER.size))
+        pos = wire_bytes = 0
+        while pos < size:
+            self._read_into(sock, header)
+            try:
+                frame = compression.parse_header(header, size - pos)
+            except ProtocolError:
+                self._close_locked()
+                raise
+            wire_bytes += len(header) + frame.wire_len
+            if error is not None:
+                self._skip(sock, frame.wire_len)
+            else:
+                target = dst[pos:pos + frame.raw_len]
+                body = target if frame.codec == compression.STORED else self._scratch(frame.wire_len)
+                self._read_into(sock, body)
+                try:
+                    compression.decode(frame, body, target)
+                except ChecksumError as exc:
+                    error = exc
+            pos += frame.raw_len
+        self.last_wire_bytes = wire_bytes
+        if error is not None:
+            raise error
+
+    def _scratch(self, n: int) -> memoryview:
+        if self._lz4_scratch is None:
+            self._lz4_scratch = memoryview(bytearray(compression.lz4_bound(compression.CHUNK)))
+        return self._lz4_scratch[:n]
 
     # ---- framing ------------------------------------------------------------------------------------
     def _fill(self, sock: socket.socket, n: int) -> None:

@@ -22,6 +22,7 @@ from kvstore.core.master import describe_replica
 from kvstore.core.meta import ObjectMeta
 from kvstore.daemon.arena_ops import ArenaOps
 from kvstore.daemon.disk_ops import DiskOps
+from kvstore.daemon.frames import FrameOps
 from kvstore.daemon.gpu_ops import GpuOps
 from kvstore.daemon.guards import PeerGone, SessionGuards
 from kvstore.daemon.handshake import Handshake
@@ -37,7 +38,7 @@ from kvstore.errors import (
     ServerError,
     TransportError,
 )
-from kvstore.protocol import wire
+from kvstore.protocol import compression, wire
 
 if TYPE_CHECKING:
     from kvstore.daemon.context import DaemonContext
@@ -56,7 +57,7 @@ class _Closed(Exception):
     """The peer went away (or framing broke): end the session."""
 
 
-class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
+class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
     def __init__(self, ctx: DaemonContext, sock: socket.socket, peer: str):
         self.ctx, self.sock, self.peer = ctx, sock, peer
         self.master, self.segments, self.metrics = ctx.master, ctx.segments, ctx.metrics
@@ -250,7 +251,13 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
             await self._send(wire.error_reply(message.get("id", 0) if isinstance(message.get("id"), int) else 0,
                                               exc))
             raise _Closed(f"refused a streamed put ({exc}); payload cannot be skipped safely")
-        await self._skip(size)
+        if message.get("compress") in compression.CODECS and size >= compression.MIN_SIZE:
+            try:
+                await self.skip_frames(size)  # a compressed payload: as frames, whose lengths only they know
+            except ProtocolError as bad:
+                raise _Closed(f"refused a compressed put ({exc}) whose frames cannot be skipped: {bad}") from None
+        else:
+            await self._skip(size)
 
     def _ok(self, rid: int, **fields: Any) -> dict:
         return {"v": wire.VERSION, "id": rid, "ok": True, **fields}
@@ -321,7 +328,10 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
         try:
             region = self.segments[replica.segment].view(replica.offset, meta.size)
             self._unread_payload = False
-            await self._read_into(region, hasher)
+            if f["compress"] is not None and meta.size >= compression.MIN_SIZE:
+                await self._frames_in(region, hasher)
+            else:
+                await self._read_into(region, hasher)
             region.release()
             checksum = hasher.intdigest()
             if f["checksum"] is not None and f["checksum"] != checksum:
@@ -380,12 +390,19 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
             return self._ucx_get_reply(rid, lease)
         try:
             region = self.segments[replica.segment].view(replica.offset, replica.size)
-            await self._send(self._ok(rid, meta=replica.meta.to_wire(), stream=replica.size), region)
+            await self.send_object(rid, replica.meta.to_wire(), region, f["compress"])
             region.release()
         finally:
             if self.client is not None:
                 master.release(lease.id)
         return None
+
+    async def _frames_in(self, region: memoryview, hasher) -> None:
+        try:
+            await self.read_frames_into(region, hasher)
+        except ProtocolError as exc:  # a bad frame header: the stream cannot be resynchronised
+            await self._send(wire.error_reply(0, exc))
+            raise _Closed(f"refused a compressed put: {exc}") from None
 
     async def op_release(self, rid: int, f: dict) -> dict:
         self.master.release(f["lease"], client=self.client)

@@ -4,7 +4,9 @@ for every field of every op. Never pickle.
 Frame: ``u32 little-endian length`` + a msgpack map. A request is ``{"v": 1, "id": n, "op": name, ...}``; a
 reply is ``{"v": 1, "id": n, "ok": true, ...}`` or ``{"v": 1, "id": n, "ok": false, "error": code,
 "message": text}``. Payload bytes of the stream data path follow a frame raw: after a ``put`` request
-(``size`` bytes) or after a ``get`` reply that carries ``stream: size``.
+(``size`` bytes) or after a ``get`` reply that carries ``stream: size``. A ``put`` or ``get`` with ``compress``
+moves its payload (of at least 64 KiB) as compressed frames instead (kvstore.protocol.compression): after the put
+request, or after a get reply that carries ``frames: size`` and ``codec``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import msgpack
 
 from kvstore.core.meta import MAX_KEY_BYTES, validate_key, validate_ttl
 from kvstore.errors import InvalidArgumentError, InvalidKeyError, ProtocolError
+from kvstore.protocol.compression import check_codec
 
 VERSION = 1
 MAX_FRAME = 1 << 20
@@ -229,6 +232,8 @@ _PUT: dict[str, Field] = {  # a put's fields but the data path ("mode"), which c
     "if_absent": (_bool, False, False), "pin": (_bool, False, False), "checksum": (_opt_int, False, None),
     "ephemeral": (_bool, False, False), "defer": (_bool, False, False)}
 _GET: dict[str, Field] = {"key": (_key, True, None), "mode": (_mode, True, None)}
+#: compression of a stream payload (kvstore.protocol.compression), asked for per transfer
+_COMPRESS: Field = (check_codec, False, None)
 
 #: Every op any kvstore daemon accepts, with its fields: the whole protocol, declared once.
 SCHEMA: dict[str, dict[str, Field]] = {
@@ -242,7 +247,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "ping": {},
     "put": {"key": (_key, True, None), "size": (_int, True, None), "meta": (_map, True, None),
             "if_absent": (_bool, False, False), "pin": (_bool, False, False), "mode": (_mode, True, None),
-            "checksum": (_opt_int, False, None), "ephemeral": (_bool, False, False), "defer": (_bool, False, False)},
+            "checksum": (_opt_int, False, None), "ephemeral": (_bool, False, False), "defer": (_bool, False, False),
+            "compress": _COMPRESS},
     "commit": {"put_id": (_int, True, None), "checksum": (_opt_int, False, None)},
     "commit_many": {"put_ids": (_ints, True, None), "checksums": (_opt_ints, True, None)},
     "abort": {"put_id": (_int, True, None)},
@@ -251,7 +257,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "arena_release": {"arenas": (_ints, True, None)},
     "arena_commit": {"entries": (_commit_entries, True, None), "if_absent": (_bool, False, False),
                      "pin": (_bool, False, False), "ephemeral": (_bool, False, False)},
-    "get": dict(_GET),
+    "get": {**_GET, "compress": _COMPRESS},
     "release": {"lease": (_int, True, None)},
     "lease": dict(_KEY),
     "exists": dict(_KEY),

@@ -62,7 +62,7 @@ def test_mixed_str_and_bytes_field_names_are_an_argument_error():
 
 def test_validate_ok_and_defaults():
     op, rid, f = wire.validate(req(op="get", key="a", mode="stream"))
-    assert (op, rid, f) == ("get", 1, {"key": "a", "mode": "stream"})
+    assert (op, rid, f) == ("get", 1, {"key": "a", "mode": "stream", "compress": None})
     _, _, f = wire.validate(req(op="ls"))
     assert f["prefix"] == "" and f["limit"] > 0
 
@@ -73,6 +73,7 @@ def test_validate_ok_and_defaults():
     (req(op="nope"), ProtocolError),
     (req(op="get", mode="stream"), InvalidArgumentError),
     (req(op="get", key="a", mode="carrier-pigeon"), InvalidArgumentError),
+    (req(op="get", key="a", mode="stream", compress="zstd"), InvalidArgumentError),
     (req(op="get", key="", mode="stream"), InvalidKeyError),
     (req(op="get", key="k" * 1025, mode="stream"), InvalidKeyError),
     (req(op="get", key=b"\xff\xfe", mode="stream"), InvalidKeyError),
