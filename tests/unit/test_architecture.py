@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.client", "kvstore.daemon", "kvstore.planner"),
     ("kvstore.handoff", "kvstore.cluster"),
     ("kvstore.integrations", "kvstore.api"),
-    ("kvstore.cli", "kvstore.demo"),
+    ("kvstore.cli", "kvstore.demo", "kvstore.testing"),
     ("benchmarks",),
 ]
 #: The package itself (its lazy exports name higher layers only as strings).
