@@ -27,7 +27,7 @@ import paths as _paths
 import pytest
 
 import kvstore
-from benchmarks.common import daemon as launcher
+from kvstore.testing import daemon as launcher
 
 HELPERS = str(_paths.HELPERS)
 STORE_KINDS = ("embedded", "daemon-shm", "daemon-tcp")
@@ -68,8 +68,8 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
 # ---- the daemon ---------------------------------------------------------------------------------------
 class Daemon(launcher.Daemon):
     """One ``kvstore serve`` subprocess listening on a Unix socket and a loopback TCP port, started by the
-    benchmarks' launcher (benchmarks/common/daemon.py), with the suite's checks: a failed start and an
-    unclean stop are test failures (AssertionError).
+    library's launcher (:mod:`kvstore.testing.daemon`), with the suite's checks: a failed start and an unclean
+    stop (exit status not 0, a socket file or shared memory left) are test failures (AssertionError).
 
     ``args`` are extra serve flags and ``env`` additions to :func:`child_env`; ``token_file`` is passed as
     ``--token-file`` (default: the session's, :func:`session_token_file`), ``insecure=True`` as
@@ -86,28 +86,11 @@ class Daemon(launcher.Daemon):
         """The token field of a hand-made hello."""
         return {"token": self.token}
 
-    def _wait_ready(self, timeout: float) -> bool:
-        # the listeners accept before the memory is set up; "serving" is logged once start() is done (signal
-        # handlers installed: a SIGTERM from then on is a graceful stop)
-        deadline = time.monotonic() + timeout
-        if not super()._wait_ready(timeout):
-            return False
-        while " serving " not in self.log():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
     def start(self, timeout: float = 30.0) -> Daemon:
         try:
             return super().start(timeout)
         except launcher.DaemonStartError as exc:
             raise AssertionError(str(exc)) from None
-
-    def connect(self, transport: str = "shm", timeout: float = 10.0, **kw) -> kvstore.KVStore:
-        url = self.tcp_url if transport == "tcp" else self.unix_url
-        kw.setdefault("token", self.token)
-        return kvstore.connect(url, transport=transport, timeout=timeout, **kw)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
         """Stop gracefully and check that the daemon cleaned up after itself."""
@@ -119,8 +102,7 @@ class Daemon(launcher.Daemon):
         except TimeoutError as exc:
             raise AssertionError(str(exc)) from None
         assert rc == 0, f"daemon {pid} exited with {rc} after {signal.Signals(sig).name}:\n{self.log()}"
-        assert shm_segments(pid) == [], f"daemon {pid} left shared memory behind: {shm_segments(pid)}"
-        assert not os.path.exists(self.unix_path), f"daemon {pid} left its socket {self.unix_path}"
+        assert self.leftovers() == [], f"daemon {pid} left behind {self.leftovers()}"
 
 
 @pytest.fixture

@@ -1,21 +1,30 @@
-"""The one ``kvstore serve`` launcher: benchmarks and the test suite (``tests/conftest.py``) start daemons here.
+"""A real ``kvstore serve`` daemon for tests of code that uses kvstore (and for the project's own tests and
+benchmarks): started as a subprocess on a fresh Unix socket and a free loopback TCP port, stopped at the end.
 
-    with Daemon(capacity="1GiB", log_level="warning") as d:   # a Unix socket and a free loopback TCP port
-        store = kvstore.connect(d.unix_url)
+    from kvstore.testing.daemon import Daemon
 
-The daemon runs in its own session (a Ctrl-C meant for the benchmark does not kill it half-way), in
-``workdir`` (a fresh short directory under /tmp unless given; removed at stop if it was made here), with its
-output in ``log_path``. It counts as started once every address it listens on accepts a connection.
-Serve flags beyond the common ones go in ``args``; environment additions in ``env``.
+    with Daemon(capacity="256MiB") as d:          # returns once the daemon serves; SIGTERM at exit
+        with d.connect() as store:                # shared memory over d.unix_url; d.connect("tcp") for TCP
+            store.put("k", b"v")
+    assert d.exit_code == 0 and d.leftovers() == []   # a clean stop: no socket file, no shared memory left
+
+A pytest fixture is three lines (``yield Daemon(...).start()``, then ``stop()``). The daemon runs in its own
+session (a Ctrl-C meant for the test runner does not kill it half-way), in ``workdir`` (a fresh short directory
+under /tmp unless given; removed at stop if it was made here), with its output in ``log_path``
+(:meth:`Daemon.log` reads its end: put it in your failure messages). It counts as started once every address
+it listens on accepts a connection and, at log level info or debug, it has logged that it is serving (from
+then on a SIGTERM is a graceful stop). Serve flags beyond the common ones go in ``args``; the child's
+environment in ``env``.
 
 A TCP listener needs a token (docs/security.md): unless given ``token_file`` or ``insecure=True``, a daemon
 with TCP uses this process's token file (:func:`process_token_file`), which clients started here find through
-``$KVSTORE_TOKEN_FILE``.
+``$KVSTORE_TOKEN_FILE``; :meth:`Daemon.connect` sends it.
 """
 
 from __future__ import annotations
 
 import atexit
+import glob
 import os
 import secrets
 import shutil
@@ -28,6 +37,10 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstore.client.store import KVStore
 
 
 class DaemonStartError(RuntimeError):
@@ -190,12 +203,16 @@ class Daemon:
         raise DaemonStartError(f"kvstore serve did not become ready within {timeout} s:\n{self.log()}")
 
     def _wait_ready(self, timeout: float) -> bool:
+        # the listeners accept before the memory is set up; "serving" is logged (at info) once start-up is done
+        # and the signal handlers are installed: a SIGTERM from then on is a graceful stop
         deadline = time.monotonic() + timeout
+        logs_serving = self.log_level in ("debug", "info")
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc is None or self.proc.poll() is not None:
                 return False
             if ((self.unix_path is None or can_connect(socket.AF_UNIX, self.unix_path))
-                    and (self.port is None or can_connect(socket.AF_INET, ("127.0.0.1", self.port)))):
+                    and (self.port is None or can_connect(socket.AF_INET, ("127.0.0.1", self.port)))
+                    and (not logs_serving or " serving " in self.log())):
                 return True
             time.sleep(0.05)
         return False
@@ -248,6 +265,25 @@ class Daemon:
             self.proc.kill()
             self.exit_code = self.proc.wait(10)
         self.stopped = True
+
+    def leftovers(self) -> list[str]:
+        """What a stopped daemon left behind that a clean stop removes: its Unix socket file and its
+        ``/dev/shm/kvstore-<pid>-*`` segments (empty after a graceful stop; not after :meth:`kill`)."""
+        left = sorted(glob.glob(f"/dev/shm/kvstore-{self.pid}-*"))
+        if self.unix_path is not None and os.path.exists(self.unix_path):
+            left.append(self.unix_path)
+        return left
+
+    # -- clients ---------------------------------------------------------------------------------------------
+    def connect(self, transport: str = "shm", timeout: float = 10.0, *, token: str | None = None,
+                client_name: str = "") -> KVStore:
+        """A client of this daemon (:func:`kvstore.connect`): ``transport="tcp"`` over its TCP address,
+        otherwise over its Unix socket (``"shm"``: shared memory); sends ``token``, by default the daemon's."""
+        from kvstore.api import connect
+
+        url = self.tcp_url if transport == "tcp" else self.unix_url
+        return connect(url, transport=transport, timeout=timeout, token=token if token is not None else self.token,
+                       client_name=client_name)
 
     # -- what it uses ----------------------------------------------------------------------------------------
     def cpu_seconds(self) -> float | None:
