@@ -11,6 +11,8 @@ import pytest
 from benchmarks.common import daemon as bench_daemon
 from benchmarks.common.machine import describe, machine
 from benchmarks.common.table import Column, format_table
+from benchmarks.common.timing import timing_of
+from kvstore.workloads.stats import percentile
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -35,3 +37,12 @@ def test_benchmarks_launch_daemons_with_the_library_launcher():
     from kvstore.testing import daemon
 
     assert bench_daemon.Daemon is daemon.Daemon and bench_daemon.project_env is daemon.project_env
+
+
+def test_benchmark_timing_reports_the_same_p99_as_the_planner():
+    # 200 samples: the old benchmarks took the sorted sample int(0.99 * n) = 198 (1.98 s here), the planner
+    # and the pd engine interpolated at rank 0.99 * 199 = 197.01; both now give the interpolated figure.
+    times = [i / 100 for i in range(200)]
+    t = timing_of(4096, times)
+    assert (t.p50_s, t.p99_s, t.n) == (pytest.approx(0.995), pytest.approx(1.9701), 200)
+    assert t.p99_s == percentile(times, 99)
