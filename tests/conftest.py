@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import paths as _paths
 import pytest
@@ -54,6 +55,21 @@ def child_env() -> dict:
     root = str(_paths.ROOT)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+#: How long one call may take before a test says it hung. Far above every timeout the tests configure
+#: (≤ 5 s), so a slow, loaded 2-core machine never trips it: tests assert behaviour (which error, which
+#: event), never speed; only a call that would not return is caught here, with a message, before the per-test
+#: timeout kills the run.
+HANG_S = 30.0
+
+
+@contextmanager
+def no_hang(what: str, limit: float = HANG_S) -> Iterator[None]:
+    """A "did not hang" bound on the block: AssertionError naming ``what`` if it took over ``limit`` s."""
+    deadline = time.monotonic() + limit
+    yield
+    assert time.monotonic() < deadline, f"{what} took over {limit} s: it hung"
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:

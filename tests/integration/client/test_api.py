@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from conftest import MiB, shm_segments
+from conftest import MiB, no_hang, shm_segments
 
 import kvstore
 from kvstore import (
@@ -511,9 +511,7 @@ def test_wait_returns_when_another_client_puts(store, prefix, client_factory):
     timer = threading.Timer(0.3, lambda: other.put(k, b"here"))
     timer.start()
     try:
-        t0 = time.monotonic()
-        assert store.wait([prefix + "never", k], timeout=20) == k
-        assert time.monotonic() - t0 < 15
+        assert store.wait([prefix + "never", k], timeout=20) == k  # woken by the put (None at the timeout)
     finally:
         timer.join()
     assert store.wait([k], timeout=5) == k  # already there: at once
@@ -526,9 +524,7 @@ def test_wait_returns_when_another_process_puts(store, store_kind, prefix, reque
     k = prefix + "from-child"
     transport = "shm" if store_kind == "daemon-shm" else "tcp"
     child = spawn("client_child.py", "put", d.unix_url if transport == "shm" else d.tcp_url, transport, k, 300_000)
-    t0 = time.monotonic()
-    assert store.wait([k], timeout=30) == k
-    assert time.monotonic() - t0 < 30
+    assert store.wait([k], timeout=30) == k  # woken by the child's put (None at the timeout)
     child.expect("DONE")
     from client_child import pattern
 
@@ -537,8 +533,9 @@ def test_wait_returns_when_another_process_puts(store, store_kind, prefix, reque
 
 def test_wait_times_out_with_none(store, prefix):
     t0 = time.monotonic()
-    assert store.wait([prefix + "never"], timeout=0.3) is None
-    assert 0.25 <= time.monotonic() - t0 < 10
+    with no_hang("a wait with a 0.3 s timeout"):
+        assert store.wait([prefix + "never"], timeout=0.3) is None
+    assert time.monotonic() - t0 >= 0.25  # a lower bound (load only makes it longer): it waited its timeout
 
 
 def test_wait_while_another_thread_uses_the_same_store(store, prefix):

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MiB, wait_until
+from conftest import MiB, no_hang, wait_until
 from paths import ROOT
 
 import kvstore
@@ -207,10 +207,8 @@ def test_daemon_killed_client_errors_within_its_timeout(daemon_factory, via):
     store.put("k", pattern(2 * MiB))
     d.kill()
     for op in (lambda: store.put("k2", pattern(2 * MiB)), lambda: store.get_into("k", np.zeros(2 * MiB, np.uint8))):
-        started = time.monotonic()
-        with pytest.raises(ConnectionError):
+        with no_hang("a UCX call to a killed daemon"), pytest.raises(ConnectionError):
             op()
-        assert time.monotonic() - started < 4.0
     store.close()
 
 
@@ -226,11 +224,9 @@ def test_daemon_killed_mid_transfer_over_the_listener(daemon_factory, monkeypatc
     store.put("warm", value)
     killer = threading.Timer(0.3, d.kill)
     killer.start()
-    started = time.monotonic()
-    with pytest.raises(ConnectionError):
+    with no_hang("UCX puts while the daemon dies"), pytest.raises(ConnectionError):
         for i in range(1000):
             store.put(f"k{i % 2}", value)
-    assert time.monotonic() - started < 0.3 + 2 * 3.0 + 1.0
     killer.join()
     store.close()
 
