@@ -32,6 +32,10 @@ from kvstore.testing import daemon as launcher
 
 HELPERS = str(_paths.HELPERS)
 STORE_KINDS = ("embedded", "daemon-shm", "daemon-tcp")
+#: The backend contract suite (tests/integration/client/test_api.py) runs over these as well: a daemon over
+#: UCX (skipped where ucxx is missing) and a two-member cluster (skipped without redis-server).
+CONTRACT_KINDS = (*STORE_KINDS, "daemon-ucx", "cluster")
+UCX_ARGS = ("--listen", "ucx://127.0.0.1:0")
 MiB = 1 << 20
 
 
@@ -167,6 +171,60 @@ def daemon_factory() -> Iterator[Callable[..., Daemon]]:
     assert not failures, "\n".join(failures)
 
 
+def _ucx_missing() -> str | None:
+    from kvstore import transports
+    from kvstore.transports.ucx import load
+
+    try:
+        load()
+    except transports.TransportUnavailable as exc:
+        return str(exc)
+    return None
+
+
+UCX_MISSING = _ucx_missing()
+needs_ucx = pytest.mark.skipif(UCX_MISSING is not None, reason=f"ucx transport unavailable: {UCX_MISSING}")
+
+
+def _module_ucx_daemon(workdir: str, capacity: str) -> Iterator[Daemon]:
+    if UCX_MISSING is not None:
+        pytest.skip(f"ucx transport unavailable: {UCX_MISSING}")
+    d = Daemon(workdir, capacity=capacity, args=UCX_ARGS).start()
+    yield d
+    assert d.running(), f"the module daemon died during the tests:\n{d.log()}"
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def ucx_daemon(module_workdir) -> Iterator[Daemon]:
+    """One 256 MiB daemon with a UCX listener shared by a test module (skipped where ucxx is missing)."""
+    yield from _module_ucx_daemon(module_workdir, "256MiB")
+
+
+@pytest.fixture(scope="module")
+def contract_ucx_daemon(module_workdir) -> Iterator[Daemon]:
+    """Like ``daemon`` (64 MiB), with a UCX listener: the contract suite's ``daemon-ucx`` kind."""
+    yield from _module_ucx_daemon(module_workdir, "64MiB")
+
+
+def _cluster_procs():
+    """tests/helpers/cluster_procs (it imports redis), or a skip without redis or redis-server."""
+    pytest.importorskip("redis", reason="the redis Python client is not installed (pip install redis)")
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)")
+    import cluster_procs
+
+    return cluster_procs
+
+
+@pytest.fixture(scope="module")
+def contract_cluster(module_workdir):
+    """A redis-server and two cluster members, A and B, shared by a test module."""
+    c = _cluster_procs().Cluster(module_workdir, names="AB")
+    yield c
+    c.close()
+
+
 # ---- stores -------------------------------------------------------------------------------------------
 @pytest.fixture
 def prefix(request) -> str:
@@ -179,10 +237,26 @@ def store_kind(request) -> str:
     return request.param
 
 
-def _open(kind: str, d: Daemon | None, **kw) -> kvstore.KVStore:
+def open_client(kind: str, request, second: bool = False) -> kvstore.KVStore:
+    """A client of the module's shared store of ``kind`` (not embedded); ``second``: for the cluster, one
+    whose home is the other member (so its reads of the first one's objects cross nodes)."""
     if kind == "embedded":
         raise ValueError("an embedded store has no second client")
-    return d.connect("shm" if kind == "daemon-shm" else "tcp", **kw)
+    if kind == "cluster":
+        return request.getfixturevalue("contract_cluster").client("B" if second else "A")
+    if kind == "daemon-ucx":
+        return request.getfixturevalue("contract_ucx_daemon").connect("ucx")
+    return request.getfixturevalue("daemon").connect("shm" if kind == "daemon-shm" else "tcp")
+
+
+def child_address(kind: str, request) -> tuple[str, str]:
+    """(url, transport) a child process connects with to the module's shared store of ``kind``."""
+    if kind == "cluster":
+        return request.getfixturevalue("contract_cluster").url + "?node=B", "auto"
+    if kind == "daemon-ucx":
+        return request.getfixturevalue("contract_ucx_daemon").unix_url, "ucx"
+    d = request.getfixturevalue("daemon")
+    return (d.unix_url, "shm") if kind == "daemon-shm" else (d.tcp_url, "tcp")
 
 
 @pytest.fixture
@@ -190,7 +264,7 @@ def store(request, store_kind, prefix) -> Iterator[kvstore.KVStore]:
     if store_kind == "embedded":
         s = kvstore.KVStore.embedded(capacity="64MiB")
     else:
-        s = _open(store_kind, request.getfixturevalue("daemon"))
+        s = open_client(store_kind, request)
     yield s
     if store_kind != "embedded":
         try:
@@ -212,7 +286,7 @@ def client_factory(request, store_kind, store) -> Callable[[], kvstore.KVStore]:
     def make() -> kvstore.KVStore:
         if store_kind == "embedded":
             return store
-        c = _open(store_kind, request.getfixturevalue("daemon"))
+        c = open_client(store_kind, request, second=True)
         opened.append(c)
         return c
 
@@ -223,23 +297,36 @@ def client_factory(request, store_kind, store) -> Callable[[], kvstore.KVStore]:
 
 @pytest.fixture
 def fresh_store(request, store_kind, daemon_factory) -> Iterator[Callable[..., kvstore.KVStore]]:
-    """An empty store of ``capacity`` of the parametrized kind (a new daemon for the daemon kinds)."""
+    """An empty store of ``capacity`` of the parametrized kind (a new daemon for the daemon kinds, a new
+    one-member cluster for the cluster)."""
     opened: list[kvstore.KVStore] = []
+    clusters: list = []
+    workdir = short_tmpdir()
 
     def make(capacity: str = "8MiB", high_watermark: float = 0.9, low_watermark: float = 0.8) -> kvstore.KVStore:
+        watermarks = ("--high-watermark", str(high_watermark), "--low-watermark", str(low_watermark))
         if store_kind == "embedded":
             s = kvstore.KVStore.embedded(capacity=capacity, high_watermark=high_watermark,
                                          low_watermark=low_watermark)
+        elif store_kind == "cluster":
+            clusters.append(_cluster_procs().Cluster(workdir, names="A", capacity=capacity, args=watermarks))
+            s = clusters[-1].client("A")
+        elif store_kind == "daemon-ucx":
+            if UCX_MISSING is not None:
+                pytest.skip(f"ucx transport unavailable: {UCX_MISSING}")
+            s = daemon_factory(capacity=capacity, args=(*UCX_ARGS, *watermarks)).connect("ucx")
         else:
-            d = daemon_factory(capacity=capacity, args=("--high-watermark", str(high_watermark),
-                                                        "--low-watermark", str(low_watermark)))
-            s = _open(store_kind, d)
+            s = daemon_factory(capacity=capacity, args=watermarks).connect(
+                "shm" if store_kind == "daemon-shm" else "tcp")
         opened.append(s)
         return s
 
     yield make
     for s in opened:
         s.close()
+    for c in clusters:
+        c.close()
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 # ---- child processes ----------------------------------------------------------------------------------

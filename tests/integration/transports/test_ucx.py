@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MiB, no_hang, wait_until
+from conftest import UCX_ARGS, MiB, needs_ucx, no_hang, wait_until
 from paths import ROOT
 
 import kvstore
@@ -27,35 +27,8 @@ from kvstore.daemon.server import Server, ServerConfig
 pytestmark = pytest.mark.timeout(120)
 
 
-def _ucx_missing() -> str | None:
-    try:
-        from kvstore.transports.ucx import load
-
-        load()
-    except transports.TransportUnavailable as exc:
-        return str(exc)
-    return None
-
-
-UCX_MISSING = _ucx_missing()
-needs_ucx = pytest.mark.skipif(UCX_MISSING is not None, reason=f"ucx transport unavailable: {UCX_MISSING}")
-UCX_ARGS = ("--listen", "ucx://127.0.0.1:0")
-
-
 def pattern(size: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(size * 7919 + seed).integers(0, 256, size, dtype=np.uint8)
-
-
-@pytest.fixture(scope="module")
-def ucx_daemon(module_workdir):
-    from conftest import Daemon
-
-    if UCX_MISSING is not None:
-        pytest.skip(f"ucx transport unavailable: {UCX_MISSING}")
-    d = Daemon(module_workdir, capacity="256MiB", args=UCX_ARGS).start()
-    yield d
-    assert d.running(), f"the module daemon died during the tests:\n{d.log()}"
-    d.stop()
 
 
 @pytest.fixture(params=["address", "listener"])
