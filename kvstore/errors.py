@@ -6,6 +6,8 @@ started is left visible or allocated), and whether retrying the same call can he
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KVStoreError(Exception):
     """Base of every error kvstore raises on purpose."""
@@ -287,7 +289,7 @@ def _all_error_classes() -> dict[str, type[KVStoreError]]:
     return out
 
 
-def error_from_wire(code: str, message: str, extra: dict | None = None) -> KVStoreError:
+def error_from_wire(code: str, message: str, extra: dict[str, Any] | None = None) -> KVStoreError:
     """Rebuild the exception a daemon reported as ``(code, message)``; unknown codes become ServerError."""
     cls = _all_error_classes().get(code, ServerError)
     if cls is BufferTooSmallError and extra:

@@ -189,7 +189,7 @@ class KVLayout:
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return self.dtype.itemsize
+        return int(self.dtype.itemsize)
 
     @property
     def page_nbytes(self) -> int:

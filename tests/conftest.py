@@ -22,15 +22,20 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import paths as _paths
 import pytest
 
 import kvstore
-from benchmarks.common import daemon as launcher
+from kvstore.testing import daemon as launcher
 
 HELPERS = str(_paths.HELPERS)
 STORE_KINDS = ("embedded", "daemon-shm", "daemon-tcp")
+#: The backend contract suite (tests/integration/client/test_api.py) runs over these as well: a daemon over
+#: UCX (skipped where ucxx is missing) and a two-member cluster (skipped without redis-server).
+CONTRACT_KINDS = (*STORE_KINDS, "daemon-ucx", "cluster")
+UCX_ARGS = ("--listen", "ucx://127.0.0.1:0")
 MiB = 1 << 20
 
 
@@ -56,6 +61,21 @@ def child_env() -> dict:
     return env
 
 
+#: How long one call may take before a test says it hung. Far above every timeout the tests configure
+#: (≤ 5 s), so a slow, loaded 2-core machine never trips it: tests assert behaviour (which error, which
+#: event), never speed; only a call that would not return is caught here, with a message, before the per-test
+#: timeout kills the run.
+HANG_S = 30.0
+
+
+@contextmanager
+def no_hang(what: str, limit: float = HANG_S) -> Iterator[None]:
+    """A "did not hang" bound on the block: AssertionError naming ``what`` if it took over ``limit`` s."""
+    deadline = time.monotonic() + limit
+    yield
+    assert time.monotonic() < deadline, f"{what} took over {limit} s: it hung"
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -79,8 +99,8 @@ def hello_proof(call: Callable[[dict], dict], token: str | None) -> dict:
 # ---- the daemon ---------------------------------------------------------------------------------------
 class Daemon(launcher.Daemon):
     """One ``kvstore serve`` subprocess listening on a Unix socket and a loopback TCP port, started by the
-    benchmarks' launcher (benchmarks/common/daemon.py), with the suite's checks: a failed start and an
-    unclean stop are test failures (AssertionError).
+    library's launcher (:mod:`kvstore.testing.daemon`), with the suite's checks: a failed start and an unclean
+    stop (exit status not 0, a socket file or shared memory left) are test failures (AssertionError).
 
     ``args`` are extra serve flags and ``env`` additions to :func:`child_env`; ``token_file`` is passed as
     ``--token-file`` (default: the session's, :func:`session_token_file`), ``insecure=True`` as
@@ -99,28 +119,11 @@ class Daemon(launcher.Daemon):
         only, as an older client's)."""
         return {"token": self.token} if call is None else hello_proof(call, self.token)
 
-    def _wait_ready(self, timeout: float) -> bool:
-        # the listeners accept before the memory is set up; "serving" is logged once start() is done (signal
-        # handlers installed: a SIGTERM from then on is a graceful stop)
-        deadline = time.monotonic() + timeout
-        if not super()._wait_ready(timeout):
-            return False
-        while " serving " not in self.log():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
     def start(self, timeout: float = 30.0) -> Daemon:
         try:
             return super().start(timeout)
         except launcher.DaemonStartError as exc:
             raise AssertionError(str(exc)) from None
-
-    def connect(self, transport: str = "shm", timeout: float = 10.0, **kw) -> kvstore.KVStore:
-        url = self.tcp_url if transport == "tcp" else self.unix_url
-        kw.setdefault("token", self.token)
-        return kvstore.connect(url, transport=transport, timeout=timeout, **kw)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
         """Stop gracefully and check that the daemon cleaned up after itself."""
@@ -132,8 +135,7 @@ class Daemon(launcher.Daemon):
         except TimeoutError as exc:
             raise AssertionError(str(exc)) from None
         assert rc == 0, f"daemon {pid} exited with {rc} after {signal.Signals(sig).name}:\n{self.log()}"
-        assert shm_segments(pid) == [], f"daemon {pid} left shared memory behind: {shm_segments(pid)}"
-        assert not os.path.exists(self.unix_path), f"daemon {pid} left its socket {self.unix_path}"
+        assert self.leftovers() == [], f"daemon {pid} left behind {self.leftovers()}"
 
 
 @pytest.fixture
@@ -182,6 +184,60 @@ def daemon_factory() -> Iterator[Callable[..., Daemon]]:
     assert not failures, "\n".join(failures)
 
 
+def _ucx_missing() -> str | None:
+    from kvstore import transports
+    from kvstore.transports.ucx import load
+
+    try:
+        load()
+    except transports.TransportUnavailable as exc:
+        return str(exc)
+    return None
+
+
+UCX_MISSING = _ucx_missing()
+needs_ucx = pytest.mark.skipif(UCX_MISSING is not None, reason=f"ucx transport unavailable: {UCX_MISSING}")
+
+
+def _module_ucx_daemon(workdir: str, capacity: str) -> Iterator[Daemon]:
+    if UCX_MISSING is not None:
+        pytest.skip(f"ucx transport unavailable: {UCX_MISSING}")
+    d = Daemon(workdir, capacity=capacity, args=UCX_ARGS).start()
+    yield d
+    assert d.running(), f"the module daemon died during the tests:\n{d.log()}"
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def ucx_daemon(module_workdir) -> Iterator[Daemon]:
+    """One 256 MiB daemon with a UCX listener shared by a test module (skipped where ucxx is missing)."""
+    yield from _module_ucx_daemon(module_workdir, "256MiB")
+
+
+@pytest.fixture(scope="module")
+def contract_ucx_daemon(module_workdir) -> Iterator[Daemon]:
+    """Like ``daemon`` (64 MiB), with a UCX listener: the contract suite's ``daemon-ucx`` kind."""
+    yield from _module_ucx_daemon(module_workdir, "64MiB")
+
+
+def _cluster_procs():
+    """tests/helpers/cluster_procs (it imports redis), or a skip without redis or redis-server."""
+    pytest.importorskip("redis", reason="the redis Python client is not installed (pip install redis)")
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)")
+    import cluster_procs
+
+    return cluster_procs
+
+
+@pytest.fixture(scope="module")
+def contract_cluster(module_workdir):
+    """A redis-server and two cluster members, A and B, shared by a test module."""
+    c = _cluster_procs().Cluster(module_workdir, names="AB")
+    yield c
+    c.close()
+
+
 # ---- stores -------------------------------------------------------------------------------------------
 @pytest.fixture
 def prefix(request) -> str:
@@ -194,10 +250,26 @@ def store_kind(request) -> str:
     return request.param
 
 
-def _open(kind: str, d: Daemon | None, **kw) -> kvstore.KVStore:
+def open_client(kind: str, request, second: bool = False) -> kvstore.KVStore:
+    """A client of the module's shared store of ``kind`` (not embedded); ``second``: for the cluster, one
+    whose home is the other member (so its reads of the first one's objects cross nodes)."""
     if kind == "embedded":
         raise ValueError("an embedded store has no second client")
-    return d.connect("shm" if kind == "daemon-shm" else "tcp", **kw)
+    if kind == "cluster":
+        return request.getfixturevalue("contract_cluster").client("B" if second else "A")
+    if kind == "daemon-ucx":
+        return request.getfixturevalue("contract_ucx_daemon").connect("ucx")
+    return request.getfixturevalue("daemon").connect("shm" if kind == "daemon-shm" else "tcp")
+
+
+def child_address(kind: str, request) -> tuple[str, str]:
+    """(url, transport) a child process connects with to the module's shared store of ``kind``."""
+    if kind == "cluster":
+        return request.getfixturevalue("contract_cluster").url + "?node=B", "auto"
+    if kind == "daemon-ucx":
+        return request.getfixturevalue("contract_ucx_daemon").unix_url, "ucx"
+    d = request.getfixturevalue("daemon")
+    return (d.unix_url, "shm") if kind == "daemon-shm" else (d.tcp_url, "tcp")
 
 
 @pytest.fixture
@@ -205,7 +277,7 @@ def store(request, store_kind, prefix) -> Iterator[kvstore.KVStore]:
     if store_kind == "embedded":
         s = kvstore.KVStore.embedded(capacity="64MiB")
     else:
-        s = _open(store_kind, request.getfixturevalue("daemon"))
+        s = open_client(store_kind, request)
     yield s
     if store_kind != "embedded":
         try:
@@ -227,7 +299,7 @@ def client_factory(request, store_kind, store) -> Callable[[], kvstore.KVStore]:
     def make() -> kvstore.KVStore:
         if store_kind == "embedded":
             return store
-        c = _open(store_kind, request.getfixturevalue("daemon"))
+        c = open_client(store_kind, request, second=True)
         opened.append(c)
         return c
 
@@ -238,23 +310,36 @@ def client_factory(request, store_kind, store) -> Callable[[], kvstore.KVStore]:
 
 @pytest.fixture
 def fresh_store(request, store_kind, daemon_factory) -> Iterator[Callable[..., kvstore.KVStore]]:
-    """An empty store of ``capacity`` of the parametrized kind (a new daemon for the daemon kinds)."""
+    """An empty store of ``capacity`` of the parametrized kind (a new daemon for the daemon kinds, a new
+    one-member cluster for the cluster)."""
     opened: list[kvstore.KVStore] = []
+    clusters: list = []
+    workdir = short_tmpdir()
 
     def make(capacity: str = "8MiB", high_watermark: float = 0.9, low_watermark: float = 0.8) -> kvstore.KVStore:
+        watermarks = ("--high-watermark", str(high_watermark), "--low-watermark", str(low_watermark))
         if store_kind == "embedded":
             s = kvstore.KVStore.embedded(capacity=capacity, high_watermark=high_watermark,
                                          low_watermark=low_watermark)
+        elif store_kind == "cluster":
+            clusters.append(_cluster_procs().Cluster(workdir, names="A", capacity=capacity, args=watermarks))
+            s = clusters[-1].client("A")
+        elif store_kind == "daemon-ucx":
+            if UCX_MISSING is not None:
+                pytest.skip(f"ucx transport unavailable: {UCX_MISSING}")
+            s = daemon_factory(capacity=capacity, args=(*UCX_ARGS, *watermarks)).connect("ucx")
         else:
-            d = daemon_factory(capacity=capacity, args=("--high-watermark", str(high_watermark),
-                                                        "--low-watermark", str(low_watermark)))
-            s = _open(store_kind, d)
+            s = daemon_factory(capacity=capacity, args=watermarks).connect(
+                "shm" if store_kind == "daemon-shm" else "tcp")
         opened.append(s)
         return s
 
     yield make
     for s in opened:
         s.close()
+    for c in clusters:
+        c.close()
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 # ---- child processes ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvstore.core.allocator import Allocator
 from kvstore.core.arena import ArenaLedger
@@ -252,9 +252,9 @@ class Master(ArenaLedger):
         if held:
             self._quarantine.setdefault(client, []).extend(held)
         for key, rid in state.ephemeral.items():
-            replica = self._live.get(key)
-            if replica is not None and replica.id == rid:
-                self._unlink(replica)
+            live = self._live.get(key)
+            if live is not None and live.id == rid:
+                self._unlink(live)
         return len(state.puts), len(state.leases)
 
     def release_quarantine(self, client: int) -> int:
@@ -388,14 +388,14 @@ class Master(ArenaLedger):
             raise LeaseError(f"no lease {lease_id} held by this client (already released or revoked)")
         del self._leases[lease_id]
         replica = lease.replica
-        client = self._clients.get(lease.client)
-        if client is not None:
-            client.leases.discard(lease_id)
-            left = client.leased.pop(replica.id) - 1
+        owner = self._clients.get(lease.client)
+        if owner is not None:
+            owner.leases.discard(lease_id)
+            left = owner.leased.pop(replica.id) - 1
             if left:
-                client.leased[replica.id] = left
+                owner.leased[replica.id] = left
             else:
-                client.leased_bytes -= replica.reserved
+                owner.leased_bytes -= replica.reserved
         replica.leases -= 1
         if replica.leases == 0 and (not replica.live or self._expired(replica)):
             if replica.live:
@@ -447,7 +447,7 @@ class Master(ArenaLedger):
     def tier_of(self, replica: Replica) -> Tier:
         return self.tiers[replica.segment]
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         free = sum(a.free_bytes for a in self.allocators)
         largest = max(a.largest_free() for a in self.allocators)
         return {
@@ -652,7 +652,7 @@ class Master(ArenaLedger):
         self.allocators[replica.segment].free(replica.offset)
 
 
-def describe_replica(replica: Replica, now: float) -> dict:
+def describe_replica(replica: Replica, now: float) -> dict[str, Any]:
     """What ``kvstore inspect`` shows for one object."""
     meta = replica.meta
     return {

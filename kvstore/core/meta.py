@@ -10,6 +10,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -30,10 +31,11 @@ TORCH_ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "ui
 def validate_key(key: object) -> str:
     """Return ``key`` as str; raise InvalidKeyError for empty, non-UTF-8 or over-1-KiB keys."""
     if isinstance(key, (bytes, bytearray, memoryview)):
+        raw = bytes(key)
         try:
-            key = bytes(key).decode("utf-8")
+            key = raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise InvalidKeyError(f"key is not valid UTF-8: {bytes(key)[:64]!r}") from None
+            raise InvalidKeyError(f"key is not valid UTF-8: {raw[:64]!r}") from None
     if not isinstance(key, str):
         raise InvalidKeyError(f"key must be str or UTF-8 bytes, got {type(key).__name__}")
     if not key:
@@ -96,7 +98,7 @@ def validate_ttl(ttl: object) -> float | None:
     return float(ttl)
 
 
-def validate_user_meta(meta: object) -> dict:
+def validate_user_meta(meta: object) -> dict[str, Any]:
     """The caller's metadata: a small dict of str keys to msgpack-safe scalars, lists or dicts."""
     if meta is None:
         return {}
@@ -149,7 +151,7 @@ class ObjectMeta:
     ttl: float | None = None
     version: int = 0
     compression: str = "none"
-    user: dict = field(default_factory=dict)
+    user: dict[str, Any] = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
     def with_commit(self, checksum: int | None, version: int, created: float | None = None) -> ObjectMeta:
@@ -158,7 +160,7 @@ class ObjectMeta:
                           time.time() if created is None else created, self.ttl, version, self.compression,
                           self.user, self.schema)
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {
             "key": self.key, "size": self.size, "kind": self.kind, "dtype": self.dtype,
             "shape": list(self.shape) if self.shape is not None else None, "checksum": self.checksum,
@@ -198,7 +200,7 @@ class ObjectMeta:
         return meta
 
 
-def _int(d: dict, name: str, default: int | None = None) -> int:
+def _int(d: dict[str, Any], name: str, default: int | None = None) -> int:
     value = d.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidArgumentError(f"field {name!r} must be a non-negative int, got {value!r}")
@@ -218,9 +220,9 @@ def _opt_str(value: object, name: str) -> str | None:
 
 
 def _choice(value: object, allowed: tuple[str, ...], name: str) -> str:
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise InvalidArgumentError(f"field {name!r} must be one of {allowed}, got {value!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _shape(value: object) -> tuple[int, ...] | None:
@@ -241,7 +243,7 @@ class RequestMeta:
     writes a byte into its cache, that the bytes are the ones it expects."""
 
     request_id: str
-    layout: dict  # KVLayout.to_dict()
+    layout: dict[str, Any]  # KVLayout.to_dict()
     fingerprint: str
     num_tokens: int
     num_blocks: int
@@ -255,7 +257,7 @@ class RequestMeta:
     nbytes: int = 0
     schema: int = REQUEST_SCHEMA_VERSION
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "layout": self.layout, "fingerprint": self.fingerprint,
                 "num_tokens": self.num_tokens, "num_blocks": self.num_blocks, "chunk_keys": list(self.chunk_keys),
                 "chunk_blocks": list(self.chunk_blocks), "checksums": list(self.checksums),

@@ -33,11 +33,12 @@ class DiskTierLike(Protocol):
     def get(self, key: str) -> Any: ...
     def discard(self, key: str) -> bool: ...
     def wants_promotion(self, key: str) -> bool: ...
-    def stats(self) -> dict: ...
+    def stats(self) -> dict[str, Any]: ...
 
 
 def encode_meta(meta: ObjectMeta) -> bytes:
-    return msgpack.packb(meta.to_wire(), use_bin_type=True)
+    packed: bytes = msgpack.packb(meta.to_wire(), use_bin_type=True)
+    return packed
 
 
 def decode_meta(blob: bytes) -> ObjectMeta:
@@ -119,11 +120,11 @@ class Tiering:
     def aborted(self, put_id: int) -> None:
         self._promotions.pop(put_id, None)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {**self.disk.stats(), "demotions": self.demotions, "promotions": self.promotions}
 
 
-def describe_disk_object(obj: Any) -> dict:
+def describe_disk_object(obj: Any) -> dict[str, Any]:
     """What ``kvstore inspect`` shows for an object held by the disk tier only."""
     meta = decode_meta(obj.meta)
     return {"key": obj.key, "size": obj.size, "kind": meta.kind, "dtype": meta.dtype,

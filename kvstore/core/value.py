@@ -9,6 +9,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -56,7 +57,7 @@ def as_payload(value: Any) -> Payload:
     if isinstance(value, np.ndarray):
         check_plain_dtype(value.dtype)
         arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # which makes 0-d arrays 1-d
-        return Payload(memoryview(arr.reshape(-1).view(np.uint8)), "numpy", arr.dtype.str, value.shape)
+        return Payload(arr.reshape(-1).view(np.uint8).data, "numpy", arr.dtype.str, value.shape)
     try:
         view = memoryview(value)
     except TypeError:
@@ -81,7 +82,7 @@ def writable_view(out: Any) -> memoryview:
     if isinstance(out, np.ndarray):
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidArgumentError("get_into needs a C-contiguous, writeable numpy array")
-        return memoryview(out.reshape(-1).view(np.uint8))
+        return out.reshape(-1).view(np.uint8).data
     try:
         view = memoryview(out)
     except TypeError:
@@ -93,7 +94,7 @@ def writable_view(out: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def _torch():
+def _torch() -> ModuleType:
     import torch
 
     return torch
@@ -109,6 +110,7 @@ class KVObject(np.ndarray):
     garbage collection."""
 
     meta: ObjectMeta
+    _finalizer: weakref.finalize[[], KVObject] | None
 
     @classmethod
     def wrap(cls, data: Any, meta: ObjectMeta, on_release: Callable[[], None] | None = None) -> KVObject:
@@ -119,12 +121,15 @@ class KVObject(np.ndarray):
         return obj
 
     def __array_finalize__(self, obj: Any) -> None:
-        self.meta = getattr(obj, "meta", None)
+        meta = getattr(obj, "meta", None)
+        if meta is not None:  # a view of a KVObject; a new one (wrap) gets its meta right after
+            self.meta = meta
         self._finalizer = None  # views keep the base (and its lease) alive; only the base releases
 
     def release(self) -> None:
-        if getattr(self, "_finalizer", None) is not None:
-            self._finalizer()
+        finalizer = getattr(self, "_finalizer", None)  # unset on an object numpy made without a base
+        if finalizer is not None:
+            finalizer()
 
     def __enter__(self) -> KVObject:
         return self
@@ -142,7 +147,7 @@ class KVObject(np.ndarray):
             return base.view(_numpy_dtype(meta.dtype)).reshape(meta.shape)
         return base
 
-    def tensor(self):
+    def tensor(self) -> Any:
         """The value as a torch CPU tensor with the put's dtype and shape (read-only memory: clone to write)."""
         torch = _torch()
         if len(self):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -57,8 +57,8 @@ REQUEST_LIMITS = DecodeLimits(array=2 * 4096, map=256, str=4 * 4096, bin=65536, 
 REPLY_LIMITS = DecodeLimits(array=MAX_FRAME, map=1 << 16, str=MAX_FRAME, bin=MAX_FRAME, containers=MAX_FRAME)
 
 
-def encode(message: dict) -> bytes:
-    body = msgpack.packb(message, use_bin_type=True)
+def encode(message: dict[str, Any]) -> bytes:
+    body: bytes = msgpack.packb(message, use_bin_type=True)
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"frame of {len(body)} bytes exceeds the maximum of {MAX_FRAME}")
     return LENGTH.pack(len(body)) + body
@@ -67,22 +67,25 @@ def encode(message: dict) -> bytes:
 def frame_length(header: bytes | memoryview, limit: int = MAX_FRAME) -> int:
     """The body length a frame header announces; ProtocolError above ``limit`` (``MAX_PREAUTH_FRAME``
     before authentication)."""
-    (n,) = LENGTH.unpack(header)
+    n: int = LENGTH.unpack(header)[0]
     if n > limit:
         when = " before authentication (send hello first)" if limit < MAX_FRAME else ""
         raise ProtocolError(f"frame of {n} bytes exceeds the maximum of {limit}{when}")
     return n
 
 
+_Container = TypeVar("_Container")
+
+
 class _TooManyContainers(ValueError):
     pass
 
 
-def decode(body: bytes | memoryview, limits: DecodeLimits = REQUEST_LIMITS) -> dict:
+def decode(body: bytes | memoryview, limits: DecodeLimits = REQUEST_LIMITS) -> dict[str, Any]:
     """One frame body as a map; ProtocolError for anything else, or for more structure than ``limits``."""
     left = [limits.containers]
 
-    def count(container):
+    def count(container: _Container) -> _Container:
         left[0] -= 1
         if left[0] < 0:
             raise _TooManyContainers(f"more than {limits.containers} arrays and maps in one frame")
@@ -147,7 +150,7 @@ def _seconds(value: Any, name: str) -> float:
 
 
 def _mode(value: Any, name: str) -> str:
-    if value not in ("stream", "region", "ucx"):
+    if not isinstance(value, str) or value not in ("stream", "region", "ucx"):
         raise InvalidArgumentError(f"field {name!r} must be 'stream', 'region' or 'ucx', got {value!r}")
     return value
 
@@ -176,12 +179,12 @@ def _names(value: Any, name: str) -> list[str]:
 
 
 def _via(value: Any, name: str) -> str:
-    if value not in ("auto", "address", "listener"):
+    if not isinstance(value, str) or value not in ("auto", "address", "listener"):
         raise InvalidArgumentError(f"field {name!r} must be 'auto', 'address' or 'listener', got {value!r}")
     return value
 
 
-def _map(value: Any, name: str) -> dict:
+def _map(value: Any, name: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidArgumentError(f"field {name!r} must be a map, got {type(value).__name__}")
     return value
@@ -203,7 +206,7 @@ def _opt_ints(value: Any, name: str) -> list[int | None]:
     return [_opt_int(v, name) for v in value]
 
 
-def _commit_entries(value: Any, name: str) -> list[dict]:
+def _commit_entries(value: Any, name: str) -> list[dict[str, Any]]:
     """What ``arena_commit`` makes visible, in order: objects written into an arena (``arena``, ``offset``,
     ``meta``, ``checksum``) and pending puts (``put_id``, ``checksum``)."""
     if not isinstance(value, list) or not 0 < len(value) <= 4096:
@@ -285,7 +288,7 @@ _ALLOWED: dict[str, frozenset[str]] = {op: frozenset(fields) | {"v", "id", "op",
                                        for op, fields in SCHEMA.items()}
 
 
-def validate(message: dict) -> tuple[str, int, dict]:
+def validate(message: dict[str, Any]) -> tuple[str, int, dict[str, Any]]:
     """Check version, id, op and every field; returns (op, request id, clean fields).
 
     Raises ProtocolError for a bad version or unknown op, InvalidArgumentError/InvalidKeyError for fields."""
@@ -295,10 +298,10 @@ def validate(message: dict) -> tuple[str, int, dict]:
     if isinstance(rid, bool) or not isinstance(rid, int):
         raise ProtocolError(f"request id must be an int, got {rid!r}")
     op = message.get("op")
-    schema = SCHEMA.get(op) if isinstance(op, str) else None
-    if schema is None:
+    if not isinstance(op, str) or op not in SCHEMA:
         raise ProtocolError(f"unknown op {op!r}")
-    fields: dict = {}
+    schema = SCHEMA[op]
+    fields: dict[str, Any] = {}
     for name, (check, required, default) in schema.items():
         if name in message:
             fields[name] = check(message[name], name)
@@ -315,7 +318,7 @@ def validate(message: dict) -> tuple[str, int, dict]:
     return op, rid, fields
 
 
-def error_reply(rid: int, exc: Exception) -> dict:
+def error_reply(rid: int, exc: Exception) -> dict[str, Any]:
     reply = {"v": VERSION, "id": rid, "ok": False, "error": getattr(exc, "code", "Server"), "message": str(exc)}
     needed = getattr(exc, "needed", None)
     if needed is not None:

@@ -13,7 +13,7 @@ import handoff_child as child  # noqa: E402
 import numpy as np
 import pytest
 import torch
-from conftest import HELPERS, child_env, flip_byte, wait_until  # noqa: E402
+from conftest import HELPERS, child_env, flip_byte, no_hang, wait_until  # noqa: E402
 
 import kvstore
 from kvstore.errors import HandoffChecksumError
@@ -107,10 +107,8 @@ def test_layout_mismatch_leaves_cache_untouched(hstore):
 
 
 def test_timeout(hstore):
-    t0 = time.monotonic()
-    with pytest.raises(kvstore.HandoffTimeoutError):
+    with no_hang("a fetch with a 0.5 s timeout"), pytest.raises(kvstore.HandoffTimeoutError):
         KVHandoff(hstore, LAYOUT).fetch("never", zeros(2), [0], timeout=0.5)
-    assert time.monotonic() - t0 < 5
 
 
 def test_fetch_is_woken_by_publish(hstore):

@@ -20,3 +20,11 @@ def test_readme_names_the_two_commands():
     ci = open(os.path.join(os.path.dirname(README), ".ci", "run"), encoding="utf-8").read()
     assert "python3 -m pytest -q tests" in text and "python3 -m pytest -q tests" in ci
     assert "python3 -m kvstore.demo" in text
+
+
+def test_testing_example_runs():
+    """The kvstore.testing example (a real daemon for users' tests) runs as written."""
+    text = open(README, encoding="utf-8").read()
+    block = re.search(r"```python\n(from kvstore\.testing\.daemon import Daemon\n.*?)```", text, re.S)
+    assert block, "README has no kvstore.testing example"
+    exec(compile(block.group(1), "README.md kvstore.testing example", "exec"), {})

@@ -181,6 +181,40 @@ def test_top_level_is_the_public_face():
     assert len(modules) <= 10, modules
 
 
+#: The only tests that may import the benchmarks: the benchmarks' own tests.
+BENCHMARK_TESTS = ROOT / "tests" / "integration" / "benchmarks"
+
+
+def _imported_roots(tree: ast.AST) -> set[str]:
+    """Top-level package names a test file imports anywhere (functions included), plus the names it hands
+    to importlib as literal strings."""
+    roots: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            roots.add(node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("import_module", "find_spec"))
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            roots.add(node.args[0].value.split(".")[0])
+    return roots
+
+
+def test_tests_import_nothing_from_benchmarks():
+    """Test infrastructure is library code (kvstore.testing) or lives in tests/: only the benchmarks' own
+    tests import ``benchmarks``."""
+    wrong = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
+                   if BENCHMARK_TESTS not in p.parents
+                   and "benchmarks" in _imported_roots(ast.parse(p.read_text(), str(p))))
+    assert not wrong, f"tests that import benchmarks/ (move them to {BENCHMARK_TESTS.relative_to(ROOT)}): {wrong}"
+
+
+def test_the_benchmarks_check_sees_imports_in_functions_and_importlib():
+    source = "def f():\n    from benchmarks.pd import cli\nimportlib.util.find_spec('benchmarks.common')\n"
+    assert _imported_roots(ast.parse(source)) == {"benchmarks"}
+    assert _imported_roots(ast.parse("import kvstore.testing\nfrom . import benchmarks\n")) == {"kvstore"}
+
+
 def test_the_checker_sees_function_level_cycles():
     """The checker itself: a cycle through an import inside a function is found."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MiB, wait_until
+from conftest import UCX_ARGS, MiB, needs_ucx, no_hang, wait_until
 from paths import ROOT
 
 import kvstore
@@ -27,35 +27,8 @@ from kvstore.daemon.server import Server, ServerConfig
 pytestmark = pytest.mark.timeout(120)
 
 
-def _ucx_missing() -> str | None:
-    try:
-        from kvstore.transports.ucx import load
-
-        load()
-    except transports.TransportUnavailable as exc:
-        return str(exc)
-    return None
-
-
-UCX_MISSING = _ucx_missing()
-needs_ucx = pytest.mark.skipif(UCX_MISSING is not None, reason=f"ucx transport unavailable: {UCX_MISSING}")
-UCX_ARGS = ("--listen", "ucx://127.0.0.1:0")
-
-
 def pattern(size: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(size * 7919 + seed).integers(0, 256, size, dtype=np.uint8)
-
-
-@pytest.fixture(scope="module")
-def ucx_daemon(module_workdir):
-    from conftest import Daemon
-
-    if UCX_MISSING is not None:
-        pytest.skip(f"ucx transport unavailable: {UCX_MISSING}")
-    d = Daemon(module_workdir, capacity="256MiB", args=UCX_ARGS).start()
-    yield d
-    assert d.running(), f"the module daemon died during the tests:\n{d.log()}"
-    d.stop()
 
 
 @pytest.fixture(params=["address", "listener"])
@@ -207,10 +180,8 @@ def test_daemon_killed_client_errors_within_its_timeout(daemon_factory, via):
     store.put("k", pattern(2 * MiB))
     d.kill()
     for op in (lambda: store.put("k2", pattern(2 * MiB)), lambda: store.get_into("k", np.zeros(2 * MiB, np.uint8))):
-        started = time.monotonic()
-        with pytest.raises(ConnectionError):
+        with no_hang("a UCX call to a killed daemon"), pytest.raises(ConnectionError):
             op()
-        assert time.monotonic() - started < 4.0
     store.close()
 
 
@@ -226,11 +197,9 @@ def test_daemon_killed_mid_transfer_over_the_listener(daemon_factory, monkeypatc
     store.put("warm", value)
     killer = threading.Timer(0.3, d.kill)
     killer.start()
-    started = time.monotonic()
-    with pytest.raises(ConnectionError):
+    with no_hang("UCX puts while the daemon dies"), pytest.raises(ConnectionError):
         for i in range(1000):
             store.put(f"k{i % 2}", value)
-    assert time.monotonic() - started < 0.3 + 2 * 3.0 + 1.0
     killer.join()
     store.close()
 

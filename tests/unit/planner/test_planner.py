@@ -3,7 +3,6 @@ published findings, calibration, and the CLI. No GPU, no torch; the whole file r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 from paths import TRACES
+from planner_runs import TRUE_COST, TRUE_LINK, write_synthetic_runs
 
 from kvstore.planner import presets
 from kvstore.planner.calibrate import calibrate, compare_run, decode_samples, prefill_samples
@@ -22,7 +22,7 @@ from kvstore.planner.metrics import SLO, summarize
 from kvstore.planner.plan import PlanConfig, Planner
 from kvstore.planner.simulator import Simulator
 from kvstore.planner.verdict import decide
-from kvstore.workloads.runlog import read_run, write_run
+from kvstore.workloads.runlog import read_run
 from kvstore.workloads.trace import (
     Trace,
     TraceRequest,
@@ -310,23 +310,10 @@ def test_small_engine_preset_plans():
 
 
 # -- calibration ----------------------------------------------------------------------------------------------
-TRUE_COST = replace(presets.CALIBRATED[("pd-tiny", "cpu-2core")], base_s=2e-3, weight_s=5e-3, token_s=3e-4,
-                    seq_s=8e-4, pair_s=5e-8, ctx_s=3e-7, overlap=0.0)
-TRUE_LINK = TransferModel("shm", 3e-4, 2e9)
-
-
 @pytest.fixture(scope="module")
 def synthetic_runs(tmp_path_factory):
     """Runs in the engine's format, made by the simulator under known coefficients."""
-    root = tmp_path_factory.mktemp("runs")
-    trace = poisson(get_workload("mixed"), 1.0, 50, seed=3).scaled(output=0.5)
-    dirs = []
-    for dep in (Deployment(Arch.COLOCATED, 1), Deployment(Arch.CHUNKED, 1),
-                Deployment(Arch.DISAGGREGATED, 2, prefill_workers=1)):
-        res = Simulator(TRUE_COST, dep, TRUE_LINK, record_tokens=True).run(trace)
-        write_run(root / dep.arch.value, res)
-        dirs.append(root / dep.arch.value)
-    return dirs
+    return write_synthetic_runs(tmp_path_factory.mktemp("runs"))
 
 
 def test_calibration_recovers_known_parameters(synthetic_runs):
@@ -359,32 +346,6 @@ def test_relative_run_times_are_normalised(tmp_path):
     r = read_run(tmp_path).requests[0]
     assert (r.prefill_start_s, r.prefill_end_s) == pytest.approx((10.5, 10.7))
     assert r.token_times_s == pytest.approx((10.7, 10.8, 10.9))
-
-
-def _engine_available() -> bool:
-    try:
-        return importlib.util.find_spec("benchmarks.pd") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-@pytest.mark.skipif(not _engine_available(), reason="benchmarks.pd (the small engine) is not importable")
-def test_validate_planner_command_reports_the_comparison(synthetic_runs, tmp_path, capsys):
-    """The validation against the small engine is a benchmark command (python -m benchmarks.pd
-    validate-planner; timing-dependent, so not asserted here): on runs made under known coefficients its
-    arithmetic reports the replay within tolerance, as a table and as JSON."""
-    from benchmarks.pd.cli import main as pd_main
-
-    out = tmp_path / "validation.json"
-    assert pd_main(["validate-planner", "--runs", *map(str, synthetic_runs), "--json", str(out)]) == 0
-    text = capsys.readouterr().out
-    for arch in ("colocated", "chunked", "disaggregated"):
-        assert arch in text
-    assert "NO" not in text
-    doc = json.loads(out.read_text())
-    assert [d["arch"] for d in doc] == ["colocated", "chunked", "disaggregated"]
-    assert all(abs(d["ttft_error"]) < 0.25 and abs(d["tpot_error"]) < 0.25 for d in doc)
-    assert pd_main(["validate-planner", "--runs", *map(str, synthetic_runs), "--tolerance", "1e-9"]) == 1
 
 
 # -- CLI ----------------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.common.timing import timing_of
 from kvstore.workloads.stats import median, percentile, percentiles
 
 pytestmark = pytest.mark.timeout(30)
@@ -26,12 +25,3 @@ def test_bad_input_raises_value_error_naming_it():
         percentile([1.0], 101)
     with pytest.raises(ValueError, match="got True"):
         percentiles([1.0], (True,))
-
-
-def test_benchmark_timing_reports_the_same_p99_as_the_planner():
-    # 200 samples: the old benchmarks took the sorted sample int(0.99 * n) = 198 (1.98 s here), the planner
-    # and the pd engine interpolated at rank 0.99 * 199 = 197.01; both now give the interpolated figure.
-    times = [i / 100 for i in range(200)]
-    t = timing_of(4096, times)
-    assert (t.p50_s, t.p99_s, t.n) == (pytest.approx(0.995), pytest.approx(1.9701), 200)
-    assert t.p99_s == percentile(times, 99)

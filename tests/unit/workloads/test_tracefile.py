@@ -1,4 +1,5 @@
-"""The one trace-file reader (kvstore.workloads.tracefile) and the two trace models built from it."""
+"""The one trace-file reader (kvstore.workloads.tracefile) and the planner's trace model built from it (the
+small engine's model is checked against it in tests/integration/benchmarks/test_pd_trace_models.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from paths import TRACES
+from trace_samples import AZURE_SAMPLE, MOONCAKE_SAMPLE
 
-from benchmarks.pd import trace as pd_trace
 from kvstore.workloads import trace as planner_trace
 from kvstore.workloads.tracefile import TraceFormat, parse_azure_timestamp, read_records
 
@@ -16,20 +17,6 @@ pytestmark = pytest.mark.timeout(60)
 
 MOONCAKE = TRACES / "mooncake_synthetic_trace.jsonl"
 AZURE = TRACES / "azure_llm_code_2023.csv"
-
-MOONCAKE_SAMPLE = (
-    '{"timestamp": 0, "input_length": 1030, "output_length": 6, "hash_ids": [0, 1, 2]}\n'
-    "\n"
-    '{"timestamp": 1500, "input_length": 600, "output_length": 0, "hash_ids": [0, 7]}\n'
-    '{"timestamp": 750.5, "input_length": 10, "output_length": 3, "hash_ids": [9]}\n'
-)
-AZURE_SAMPLE = (
-    "TIMESTAMP,ContextTokens,GeneratedTokens\n"
-    "2023-11-16 18:17:03.9799600,4808,10\n"
-    "2023-11-16 18:17:04.0319600,3180,0\n"
-    "2023-11-16 18:17:05,0,7\n"
-)
-
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / name
@@ -102,50 +89,18 @@ def test_format_by_suffix():
         TraceFormat.from_path("x.parquet")
 
 
-# -- both models read the same records with the same policy -------------------------------------------------
-def test_planner_and_engine_models_agree_on_the_inline_samples(tmp_path):
-    for name, text in (("m.jsonl", MOONCAKE_SAMPLE), ("a.csv", AZURE_SAMPLE)):
-        path = _write(tmp_path, name, text)
-        planner = planner_trace.load_trace(path)
-        engine = pd_trace.load_trace(path, vocab_size=64)
-        recs = sorted(read_records(path), key=lambda r: r.arrival_s)
-        t0 = recs[0].arrival_s
-        assert [(r.prompt_tokens, r.output_tokens) for r in planner.requests] == \
-            [(r.prompt_tokens, r.output_tokens) for r in recs]
-        assert [r.arrival_s for r in planner.requests] == pytest.approx([r.arrival_s - t0 for r in recs])
-        by_arrival = sorted(engine.requests, key=lambda r: r.arrival_s)
-        assert [(r.source_prompt_tokens, r.source_output_tokens) for r in by_arrival] == \
-            [(r.prompt_tokens, r.output_tokens) for r in recs]
-        assert [r.arrival_s for r in by_arrival] == pytest.approx([r.arrival_s - t0 for r in recs])
-
-
-def test_engine_model_keeps_seeds_scaling_and_shared_prefixes(tmp_path):
-    path = _write(tmp_path, "m.jsonl", MOONCAKE_SAMPLE)
-    scaling = pd_trace.TraceScaling(prompt_scale=0.01, time_scale=2.0)
-    a = pd_trace.read_mooncake(path, seed=3, vocab_size=64, scaling=scaling)
-    assert a == pd_trace.read_mooncake(path, seed=3, vocab_size=64, scaling=scaling)
-    first, second = (r for r in a.requests if r.id in ("r00000", "r00001"))
-    assert first.prompt_tokens == round(1030 * 0.01) and second.arrival_s == 3.0
-    assert first.prompt_ids[:6] == second.prompt_ids[:6]  # hash id 0 -> the same ceil(512 * 0.01) tokens
-    assert len(pd_trace.read_mooncake(path, num_requests=2).requests) == 2
-
-
 # -- the shipped traces (skipped without the shared folder) --------------------------------------------------
 @pytest.mark.skipif(not AZURE.is_file(), reason=f"{AZURE} not present")
-def test_shipped_azure_trace_reads_in_both_models():
+def test_shipped_azure_trace_reads():
     recs = list(read_records(AZURE))
     assert len(recs) == 8819 and recs[0].line == 2 and (recs[0].prompt_tokens, recs[0].output_tokens) == (4808, 10)
     assert recs[1].arrival_s - recs[0].arrival_s == pytest.approx(0.052)
     assert len(planner_trace.load_trace(AZURE)) == 8819
-    engine = pd_trace.load_trace(AZURE, scaling=pd_trace.TraceScaling(prompt_scale=0.01), vocab_size=64)
-    assert len(engine.requests) == 8819 and 3000 < engine.describe()["duration_s"] < 3600
 
 
 @pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"{MOONCAKE} not present")
-def test_shipped_mooncake_trace_reads_in_both_models():
+def test_shipped_mooncake_trace_reads():
     recs = list(read_records(MOONCAKE))
     assert len(recs) == 3993 and recs[0].prefix_ids[:3] == (0, 1, 2) and recs[0].prompt_tokens == 40160
     assert all(len(r.prefix_ids) * 512 >= r.prompt_tokens for r in recs)
     assert len(planner_trace.read_mooncake(MOONCAKE)) == 3993
-    engine = pd_trace.read_mooncake(MOONCAKE, num_requests=20, scaling=pd_trace.TraceScaling(prompt_scale=0.01))
-    assert [r.source_prompt_tokens for r in engine.requests[:1]] == [40160]
