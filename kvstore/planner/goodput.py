@@ -50,11 +50,13 @@ def bisect_rate(meets: Callable[[float], bool], start: float, rel_tol: float = 0
         return ok
 
     if ask(start):
-        lo, hi = start, start * growth
+        if start >= max_rate:
+            return RateSearch(start, tuple(tried))
+        lo, hi = start, min(max_rate, start * growth)
         while ask(hi):
             if hi >= max_rate:
                 return RateSearch(hi, tuple(tried))
-            lo, hi = hi, hi * growth
+            lo, hi = hi, min(max_rate, hi * growth)
     else:
         lo, hi = start / growth, start
         while not ask(lo):

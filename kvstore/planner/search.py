@@ -33,6 +33,7 @@ from kvstore.planner.probe import Probe, Prober
 CHUNK_CHOICES = (512, 256, 1024, 2048)  # the default first: later ones only need to beat it
 TP_STEPS = 3  # tp_min, 2 tp_min, 4 tp_min
 SPLIT_TRIES = 4
+STEADY_SPANS = 20  # the time-scaled trace must last this many TTFT budgets for a goodput figure
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class ArchPlan:
     best: Probe | None = None
     max_rate: float = 0.0
     rate_tries: int = 0
+    rate_capped: bool = False  # max_rate is a lower bound: the trace became too short to find the knee
     frontier: list[FrontierPoint] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -193,8 +195,14 @@ class FleetSearch:
         # the cheapest fleet meets at ``rate`` and one worker fewer does not, so its knee is likely within
         # about workers / (workers - 1) of the rate: the first bracket is that wide (at least 25 %)
         growth = max(1.25, dep.workers / max(1, dep.workers - 1))
-        found = goodput.bisect_rate(lambda r: self.prober.probe(dep, r).meets, rate, self.rel_tol, growth)
+        # a finite trace squeezed into a few TTFT budgets is one burst, absorbed or not, not a steady
+        # rate: past the rate at which it spans STEADY_SPANS budgets the knee is not measured
+        trace = self.prober.trace
+        cap = max(rate, self.prober.base_rate * trace.duration_s / (STEADY_SPANS * self.config.slo.ttft_s))
+        found = goodput.bisect_rate(lambda r: self.prober.probe(dep, r).meets, rate, self.rel_tol, growth,
+                                    max_rate=cap)
         plan.max_rate, plan.rate_tries = found.rate, len(found.tried)
+        plan.rate_capped = found.rate >= cap
 
     def frontier(self, plan: ArchPlan, rate: float, below: int = 2, above: int = 1) -> None:
         """Attainment at sizes around the cheapest fleet (full runs), with its placement kept."""
