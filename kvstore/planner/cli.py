@@ -204,14 +204,14 @@ def run_search(args) -> str:
     extra = [f"router thresholds ({link}, tp={tp}): recompute on the decode worker {skip}; skip the prefill "
              f"pool when >= {thresholds.skip_hit_fraction:.0%} of a {thresholds.reference_prompt_tokens}-token "
              f"prompt is in the store"]
-    for path, write in ((args.json, lambda p: write_search_json(p, searchreport.to_json(
-            result, config.slo, link, thresholds))),
-                        (args.plot, lambda p: searchreport.plot(result, config.slo, p, trace.describe()[:90])),
-                        (args.router_config, lambda p: write_search_json(p, searchreport.router_config(
-                            result, config.slo, thresholds)))):
-        if path:
-            write(path)
-            extra.append(f"wrote {path}")
+    title = f"{trace.name} at {result.rate:.3g} req/s: {config.model.name} on {config.gpu.name}"
+    if args.json:
+        write_search_json(args.json, searchreport.to_json(result, config.slo, link, thresholds))
+    if args.plot:
+        searchreport.plot(result, config.slo, args.plot, title)
+    if args.router_config:
+        write_search_json(args.router_config, searchreport.router_config(result, config.slo, thresholds))
+    extra += [f"wrote {p}" for p in (args.json, args.plot, args.router_config) if p]
     head = [f"trace   {trace.describe()}",
             f"model   {config.model.name} on {config.gpu.name}; link {config.link.name}"]
     return "\n".join(head) + "\n" + searchreport.render(result, config.slo, link, extra)

@@ -22,6 +22,7 @@ search of the shipped traces takes seconds, not the thousands of simulations a f
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -237,15 +238,21 @@ class FleetSearch:
                             stopped_early=self.prober.stopped_early, elapsed_s=time.perf_counter() - t0)
 
 
-# On equal GPUs the architecture that moves no state wins, then the higher per-GPU goodput.
-_SIMPLICITY = {Arch.CHUNKED: 1, Arch.COLOCATED: 2, Arch.DISAGGREGATED: 0}
+# On equal GPUs the higher per-GPU goodput wins (in 5 % buckets: the bisection's tolerance is 3 %), then
+# the architecture that moves no state (as kvstore.planner.verdict ranks them).
+_SIMPLICITY = {Arch.CHUNKED: 2, Arch.COLOCATED: 1, Arch.DISAGGREGATED: 0}
 
 
 def pick_winner(plans: dict) -> Arch | None:
     meeting = [p for p in plans.values() if p.best is not None]
     if not meeting:
         return None
-    return min(meeting, key=lambda p: (p.gpus, -_SIMPLICITY[p.arch], -p.goodput_per_gpu)).arch
+
+    def key(p: ArchPlan) -> tuple:
+        bucket = math.floor(math.log(p.goodput_per_gpu) / math.log(1.05)) if p.goodput_per_gpu > 0 else -10**9
+        return (p.gpus, -bucket, -_SIMPLICITY[p.arch])
+
+    return min(meeting, key=key).arch
 
 
 def search(config: PlanConfig, trace, rate: float | None = None, max_gpus: int = 64, **kwargs) -> SearchResult:

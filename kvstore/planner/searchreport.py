@@ -155,6 +155,7 @@ def plot(result: SearchResult, slo: SLO, path: str | Path, title: str) -> None:
         raise ValueError("--plot needs matplotlib: pip install 'kvstore[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     for arch, p in result.plans.items():
@@ -162,6 +163,7 @@ def plot(result: SearchResult, slo: SLO, path: str | Path, title: str) -> None:
             ax.plot([f.gpus for f in p.frontier], [f.attainment for f in p.frontier], marker="o",
                     label=f"{arch.value} ({p.goodput_per_gpu:.3g} req/s/GPU)" if p.best else arch.value)
     ax.axhline(slo.attainment, color="grey", linestyle="--", linewidth=1, label="SLO attainment target")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("GPUs")
     ax.set_ylabel("SLO attainment")
     ax.set_title(title, fontsize=9)
