@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvstore.planner import presets, searchreport
+from kvstore.planner.burst import Burst, plan_burst
 from kvstore.planner.calibrate import calibrate, compare_run
 from kvstore.planner.costmodel import CostModel, TransferModel
 from kvstore.planner.crossover import bandwidth_crossover, prompt_crossover
@@ -78,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srch = parser.add_argument_group("search (--search)")
     srch.add_argument("--max-gpus", type=int, default=64, help="largest fleet the search considers (default 64)")
     srch.add_argument("--plot", metavar="PATH", help="the frontier (GPUs vs SLO attainment), .png or .svg")
+    srch.add_argument("--burst", type=float, metavar="RATE",
+                      help="also plan for a burst of long documents at RATE/s added to the traffic")
+    srch.add_argument("--burst-prompt", type=int, default=16384, help="burst documents' prompt tokens (mean)")
+    srch.add_argument("--burst-output", type=int, default=256, help="burst documents' output tokens (mean)")
     srch.add_argument("--router-config", metavar="PATH",
                       help="write the disaggregated plan as a kvstore router configuration (JSON)")
 
@@ -199,14 +204,22 @@ def run_search(args) -> str:
     link = config.transfer_model(tp).name
     thresholds = handoff_thresholds(config.model, config.link, config.gpu, tp=tp, efficiency=config.efficiency,
                                     cost=config.cost, transfer=config.transfer)
-    skip = (f"prompts under {thresholds.min_prefill_tokens} tokens" if thresholds.min_prefill_tokens
-            else "every prompt (a transfer never beats recomputing here)")
+    skip = {None: "every prompt (a transfer never beats recomputing here)",
+            1: "no prompt (a transfer always beats recomputing here)"}.get(
+        thresholds.min_prefill_tokens, f"prompts under {thresholds.min_prefill_tokens} tokens")
     extra = [f"router thresholds ({link}, tp={tp}): recompute on the decode worker {skip}; skip the prefill "
              f"pool when >= {thresholds.skip_hit_fraction:.0%} of a {thresholds.reference_prompt_tokens}-token "
              f"prompt is in the store"]
     title = f"{trace.name} at {result.rate:.3g} req/s: {config.model.name} on {config.gpu.name}"
+    doc = searchreport.to_json(result, config.slo, link, thresholds)
+    if args.burst is not None:
+        steady = {a: p.best.deployment if p.best else None for a, p in result.plans.items()}
+        burst = plan_burst(config, trace.scaled(time=result.trace_rate / result.rate),
+                           Burst(args.burst, args.burst_prompt, args.burst_output, args.seed), args.max_gpus, steady)
+        extra += burst.lines()
+        doc["burst"] = burst.to_dict()
     if args.json:
-        write_search_json(args.json, searchreport.to_json(result, config.slo, link, thresholds))
+        write_search_json(args.json, doc)
     if args.plot:
         searchreport.plot(result, config.slo, args.plot, title)
     if args.router_config:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.planner import goodput
@@ -150,25 +151,7 @@ class FleetSearch:
         """Fewest workers of ``v`` meeting the SLO at ``rate`` (only sizes under ``below_gpus`` GPUs)."""
         lo = self._bounds(v.tp, rate).workers(v.arch)
         hi = self.max_gpus // v.tp if below_gpus is None else (below_gpus - 1) // v.tp
-        if lo > hi:
-            return None
-        fail, n, step, found = lo - 1, lo, 1, None
-        while found is None:
-            n = min(n, hi)
-            found = self._meets(v, n, rate)
-            if found is None:
-                if n == hi:
-                    return None
-                fail, n, step = n, n + step, step * 2
-        best_n = n
-        while best_n - fail > 1:  # bisect between the last failing and the first meeting size
-            mid = (fail + best_n) // 2
-            probe = self._meets(v, mid, rate)
-            if probe is None:
-                fail = mid
-            else:
-                best_n, found = mid, probe
-        return found
+        return smallest(lambda n: self._meets(v, n, rate), lo, hi)
 
     def plan_arch(self, arch: Arch, rate: float) -> ArchPlan:
         plan = ArchPlan(arch)
@@ -236,6 +219,30 @@ class FleetSearch:
         return SearchResult(rate=rate, trace_rate=self.prober.base_rate, max_gpus=self.max_gpus, plans=plans,
                             winner=pick_winner(plans), simulations=self.prober.simulations,
                             stopped_early=self.prober.stopped_early, elapsed_s=time.perf_counter() - t0)
+
+
+def smallest(meets: Callable[[int], Probe | None], lo: int, hi: int) -> Probe | None:
+    """The meeting probe of the smallest n in [lo, hi] with ``meets(n)`` not None, assuming a larger n never
+    fails where a smaller one meets: gallop up from ``lo`` (+1, +2, +4, ...), then bisect back between the
+    last failing and the first meeting size."""
+    if lo > hi:
+        return None
+    fail, n, step, found = lo - 1, lo, 1, None
+    while found is None:
+        n = min(n, hi)
+        found = meets(n)
+        if found is None:
+            if n == hi:
+                return None
+            fail, n, step = n, n + step, step * 2
+    while n - fail > 1:
+        mid = (fail + n) // 2
+        probe = meets(mid)
+        if probe is None:
+            fail = mid
+        else:
+            n, found = mid, probe
+    return found
 
 
 # On equal GPUs the higher per-GPU goodput wins (in 5 % buckets: the bisection's tolerance is 3 %), then

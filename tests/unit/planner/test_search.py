@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvstore.planner import presets
+from kvstore.planner.burst import Burst, plan_burst, with_burst
 from kvstore.planner.cli import main
 from kvstore.planner.costmodel import CostModel
 from kvstore.planner.deployment import Arch
@@ -189,3 +190,30 @@ def test_cli_search_writes_json_plot_and_router_config(tmp_path, capsys):
 def test_cli_search_bad_input_is_an_error_not_a_traceback(capsys):
     assert main(["--search", "--workload", "short", "--max-gpus", "0"]) == 2
     assert "max_gpus" in capsys.readouterr().err
+
+
+# -- independent scaling: a burst of long documents -------------------------------------------------------
+def test_with_burst_adds_long_documents_over_the_span(short_trace):
+    bursty = with_burst(short_trace, Burst(rate=5.0, prompt_tokens=16384, output_tokens=200, seed=1))
+    docs = [r for r in bursty.requests if r.id >= len(short_trace)]
+    assert abs(len(docs) - 5.0 * short_trace.duration_s) < 4 * (5.0 * short_trace.duration_s) ** 0.5
+    assert len({r.id for r in bursty.requests}) == len(bursty)
+    assert [r.arrival_s for r in bursty.requests] == sorted(r.arrival_s for r in bursty.requests)
+    assert 12000 < sum(r.prompt_tokens for r in docs) / len(docs) < 20000
+    with pytest.raises(ValueError):
+        Burst(rate=0.0)
+
+
+def test_burst_grows_the_prefill_pool_while_decode_stays():
+    trace = poisson(get_workload("short"), 100.0, 1500, seed=4)
+    config = _config(SLO(ttft_s=2.0, tpot_s=0.025))
+    plan = plan_burst(config, trace, Burst(rate=4.0, prompt_tokens=16384, output_tokens=256), max_gpus=16)
+    d = plan.fleets[Arch.DISAGGREGATED]
+    assert d.steady is not None and d.burst is not None
+    assert d.burst.decode_workers == d.steady.decode_workers  # the documents need prompt work, not decoding
+    assert d.burst.prefill_workers > d.steady.prefill_workers
+    for arch in (Arch.COLOCATED, Arch.CHUNKED):
+        f = plan.fleets[arch]
+        assert f.burst is not None and f.burst.workers > f.steady.workers  # the whole fleet grows
+    assert "decode pool unchanged" in "\n".join(plan.lines())
+    assert plan.to_dict()["fleets"]["disaggregated"]["added_gpus"] == d.burst.gpus - d.steady.gpus
