@@ -207,9 +207,10 @@ def run_search(args) -> str:
     skip = {None: "every prompt (a transfer never beats recomputing here)",
             1: "no prompt (a transfer always beats recomputing here)"}.get(
         thresholds.min_prefill_tokens, f"prompts under {thresholds.min_prefill_tokens} tokens")
-    extra = [f"router thresholds ({link}, tp={tp}): recompute on the decode worker {skip}; skip the prefill "
-             f"pool when >= {thresholds.skip_hit_fraction:.0%} of a {thresholds.reference_prompt_tokens}-token "
-             f"prompt is in the store"]
+    hit = "" if thresholds.min_prefill_tokens is None else (
+        f"; skip the prefill pool when >= {thresholds.skip_hit_fraction:.0%} of a "
+        f"{thresholds.reference_prompt_tokens}-token prompt is in the store")
+    extra = [f"router thresholds ({link}, tp={tp}): recompute on the decode worker {skip}{hit}"]
     title = f"{trace.name} at {result.rate:.3g} req/s: {config.model.name} on {config.gpu.name}"
     doc = searchreport.to_json(result, config.slo, link, thresholds)
     if args.burst is not None:

@@ -58,6 +58,8 @@ class FrontierPoint:
     label: str
     attainment: float
     meets: bool
+    ttft_misses: int = 0
+    tpot_misses: int = 0
 
 
 @dataclass(slots=True)
@@ -155,13 +157,16 @@ class FleetSearch:
 
     def plan_arch(self, arch: Arch, rate: float) -> ArchPlan:
         plan = ArchPlan(arch)
+        tops: dict[int, float] = {}
         for v in self.variants(arch):
-            cost = self.prober.cost(v.tp)
-            transfer = self.prober.transfer(v.tp) if arch is Arch.DISAGGREGATED else None
-            top = goodput.ceiling(self.prober.trace, cost, self.config.slo, transfer)
-            if top < self.config.slo.attainment:
-                plan.notes.append(f"{v.label} skipped: alone on an idle worker only {top:.1%} of requests meet "
-                                  f"both limits (target {self.config.slo.attainment:.0%})")
+            if v.tp not in tops:
+                transfer = self.prober.transfer(v.tp) if arch is Arch.DISAGGREGATED else None
+                tops[v.tp] = goodput.ceiling(self.prober.trace, self.prober.cost(v.tp), self.config.slo, transfer)
+                if tops[v.tp] < self.config.slo.attainment:
+                    plan.notes.append(f"{arch.value} at tp={v.tp} skipped: alone on an idle worker only "
+                                      f"{tops[v.tp]:.1%} of requests meet both limits (target "
+                                      f"{self.config.slo.attainment:.0%})")
+            if tops[v.tp] < self.config.slo.attainment:
                 continue
             found = self.fewest(v, rate, plan.gpus)
             if found is not None:
@@ -201,7 +206,8 @@ class FleetSearch:
             probe = plan.best if n == dep.workers else self._frontier_probe(v, n, rate)
             if probe is not None and probe.metrics is not None:
                 plan.frontier.append(FrontierPoint(probe.deployment.gpus, probe.metrics.label,
-                                                   probe.metrics.slo_attainment, probe.meets))
+                                                   probe.metrics.slo_attainment, probe.meets,
+                                                   probe.ttft_misses + probe.rejected, probe.tpot_misses))
 
     def _frontier_probe(self, v: Variant, n: int, rate: float) -> Probe | None:
         probe = self._walks.get((v, n, rate)) if v.arch is Arch.DISAGGREGATED else None

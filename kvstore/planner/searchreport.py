@@ -45,12 +45,14 @@ def frontier_lines(result: SearchResult) -> list[str]:
 
 def _interference(m: Metrics) -> str:
     return (f"{m.label} loses {m.interference_share_of_tpot:.0%} of decode time to prefill work on the same "
-            f"worker (TPOT p90 {_ms(m.tpot_p90)}, {_ms(m.tpot_p90_without_stalls)} without those stalls)")
+            f"worker (TPOT p90 {_ms(m.tpot_p90)}, {_ms(m.tpot_p90_without_stalls)} without those stalls; TTFT p90 "
+            f"{_ms(m.ttft_p90)})")
 
 
 def _transfer(m: Metrics, link: str) -> str:
     per_req = m.kv_bytes_transferred / max(1, m.completed)
-    return (f"{m.label} has no interference (TPOT p90 {_ms(m.tpot_p90)}) but adds the KV transfer: "
+    return (f"{m.label} has no interference (TPOT p90 {_ms(m.tpot_p90)}; TTFT p90 {_ms(m.ttft_p90)}) but adds "
+            f"the KV transfer: "
             f"{m.transfer_share_of_ttft:.0%} of TTFT over {link} ({per_req / 1e6:.0f} MB per request, p99 "
             f"{_ms(m.transfer_p99)}); prefill pool {m.prefill_utilization:.0%} busy, decode pool "
             f"{m.decode_utilization:.0%}")
@@ -76,7 +78,8 @@ def why(result: SearchResult, link: str) -> list[str]:
         same = next((f for f in p.frontier if f.gpus == win.gpus), None)
         if same is not None and not same.meets:
             lines.append(f"at the winner's {win.gpus} GPUs {arch.value} ({same.label}) meets only "
-                         f"{same.attainment:.1%} of requests")
+                         f"{same.attainment:.1%} of requests ({same.ttft_misses} miss TTFT, {same.tpot_misses} "
+                         f"miss TPOT)")
     return lines
 
 
@@ -113,8 +116,8 @@ def _plan_dict(p: ArchPlan) -> dict:
             "metrics": p.best.metrics.to_dict() if p.best else None,
             "max_rate_rps": p.max_rate, "goodput_per_gpu_rps": p.goodput_per_gpu, "rate_capped": p.rate_capped,
             "rate_tries": p.rate_tries, "notes": list(p.notes),
-            "frontier": [{"gpus": f.gpus, "label": f.label, "attainment": f.attainment, "meets": f.meets}
-                         for f in p.frontier]}
+            "frontier": [{"gpus": f.gpus, "label": f.label, "attainment": f.attainment, "meets": f.meets,
+                          "ttft_misses": f.ttft_misses, "tpot_misses": f.tpot_misses} for f in p.frontier]}
 
 
 def to_json(result: SearchResult, slo: SLO, link: str, thresholds: HandoffThresholds | None = None) -> dict:
