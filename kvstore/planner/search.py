@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.planner import goodput
-from kvstore.planner.deployment import Arch, Deployment
+from kvstore.planner.deployment import Arch
 from kvstore.planner.plan import PlanConfig
 from kvstore.planner.probe import Probe, Prober
 
@@ -272,6 +272,3 @@ def search(config: PlanConfig, trace, rate: float | None = None, max_gpus: int =
     """The cheapest fleet per architecture for ``trace`` at ``rate`` (default: the trace's own)."""
     return FleetSearch(config, Prober(config, trace), max_gpus, **kwargs).run(rate)
 
-
-def deployment_text(dep: Deployment) -> str:
-    return f"{dep.gpus} GPU(s): " + dep.label
