@@ -17,6 +17,7 @@ from benchmarks.pd.make_model import add_parser as add_make_model_parser
 from benchmarks.pd.make_model import main_make_model
 from benchmarks.pd.metrics import Slo
 from benchmarks.pd.model import MODEL_PRESETS
+from benchmarks.pd.search_check import add_check_search_parser, main_check_search
 from benchmarks.pd.trace import Trace, TraceFormat, TraceScaling, Workload, generate, load_trace
 from benchmarks.pd.transfer import Transport
 from benchmarks.pd.validate import add_validate_parser, main_validate
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_parser(sub)
     add_make_model_parser(sub)
     add_validate_parser(sub)
+    add_check_search_parser(sub)
     return parser
 
 
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         return _main_compare(parser, args)
     if args.command == "validate-planner":
         return main_validate(args)
+    if args.command == "check-search":
+        return main_check_search(args)
     try:
         config = _config(args, Arch(args.arch))
         trace = _trace(args, config.model.vocab_size)

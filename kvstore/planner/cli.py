@@ -2,6 +2,8 @@
 
     kvstore plan --model llama-3-8b --gpus 2 --link 10gbe --trace FILE [--gpu h100|h200]
                  [--slo-ttft S --slo-tpot S] [--json PATH]
+    kvstore plan --search --model llama-3-8b --link rdma-100g --trace FILE [--rate R] [--max-gpus N]
+                 [--json PATH] [--plot PATH.png] [--router-config PATH]
     kvstore plan --calibrate DIR [DIR ...] [--save FILE]
     kvstore plan --list-presets
 
@@ -17,7 +19,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from kvstore.planner import presets
+from kvstore.planner import presets, searchreport
+from kvstore.planner.burst import Burst, plan_burst
 from kvstore.planner.calibrate import calibrate, compare_run
 from kvstore.planner.costmodel import CostModel, TransferModel
 from kvstore.planner.crossover import bandwidth_crossover, prompt_crossover
@@ -25,7 +28,10 @@ from kvstore.planner.deployment import Arch
 from kvstore.planner.metrics import SLO
 from kvstore.planner.plan import PlanConfig, Planner
 from kvstore.planner.report import render, to_json, write_json
+from kvstore.planner.search import search
+from kvstore.planner.searchreport import write_json as write_search_json
 from kvstore.planner.specs import Efficiency, LinkSpec
+from kvstore.planner.thresholds import handoff_thresholds
 from kvstore.planner.verdict import decide
 from kvstore.workloads.runlog import read_run
 from kvstore.workloads.trace import Trace, get_workload, load_trace, poisson
@@ -38,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--calibrate", nargs="+", metavar="DIR", help="fit the cost model to measured run dirs")
     mode.add_argument("--save", metavar="FILE", help="with --calibrate: write the fitted model (JSON)")
     mode.add_argument("--list-presets", action="store_true", help="list models, GPUs and links")
+    mode.add_argument("--search", action="store_true",
+                      help="the cheapest fleet per architecture (GPUs, tp, P:D split, chunk) and per-GPU goodput")
     hw = parser.add_argument_group("hardware")
     hw.add_argument("--model", help="model preset (default llama-3-8b; pd-tiny with --calibrate)")
     hw.add_argument("--gpu", help="GPU preset (default h100; cpu-2core with --calibrate)")
@@ -68,6 +76,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--no-crossover", action="store_true", help="skip the bandwidth and prompt sweeps")
     out.add_argument("--json", metavar="PATH", help="write everything (with per-request results) as JSON")
+    srch = parser.add_argument_group("search (--search)")
+    srch.add_argument("--max-gpus", type=int, default=64, help="largest fleet the search considers (default 64)")
+    srch.add_argument("--plot", metavar="PATH", help="the frontier (GPUs vs SLO attainment), .png or .svg")
+    srch.add_argument("--burst", type=float, metavar="RATE",
+                      help="also plan for a burst of long documents at RATE/s added to the traffic")
+    srch.add_argument("--burst-prompt", type=int, default=16384, help="burst documents' prompt tokens (mean)")
+    srch.add_argument("--burst-output", type=int, default=256, help="burst documents' output tokens (mean)")
+    srch.add_argument("--router-config", metavar="PATH",
+                      help="write the disaggregated plan as a kvstore router configuration (JSON)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
             print(list_presets())
         elif args.calibrate:
             print(run_calibration(args))
+        elif args.search:
+            print(run_search(args))
         else:
             print(run_plan(args))
     except (ValueError, TypeError, FileNotFoundError) as exc:
@@ -171,6 +190,45 @@ def run_plan(args) -> str:
         write_json(args.json, to_json(planner, ev, verdict, crossovers))
         text += f"\n\nwrote {args.json}"
     return text
+
+
+# -- search ---------------------------------------------------------------------------------------------------
+def run_search(args) -> str:
+    config = _config(args)
+    trace = _trace(args, config)
+    # with a trace, --rate time-scales its arrivals; with --workload it already set the Poisson rate
+    rate = args.rate if args.trace else None
+    result = search(config, trace, rate, max_gpus=args.max_gpus)
+    disagg = result.plans[Arch.DISAGGREGATED].best
+    tp = disagg.deployment.tp if disagg else config.resolve_tp(trace)
+    link = config.transfer_model(tp).name
+    thresholds = handoff_thresholds(config.model, config.link, config.gpu, tp=tp, efficiency=config.efficiency,
+                                    cost=config.cost, transfer=config.transfer)
+    skip = {None: "every prompt (a transfer never beats recomputing here)",
+            1: "no prompt (a transfer always beats recomputing here)"}.get(
+        thresholds.min_prefill_tokens, f"prompts under {thresholds.min_prefill_tokens} tokens")
+    hit = "" if thresholds.min_prefill_tokens is None else (
+        f"; skip the prefill pool when >= {thresholds.skip_hit_fraction:.0%} of a "
+        f"{thresholds.reference_prompt_tokens}-token prompt is in the store")
+    extra = [f"router thresholds ({link}, tp={tp}): recompute on the decode worker {skip}{hit}"]
+    title = f"{trace.name} at {result.rate:.3g} req/s: {config.model.name} on {config.gpu.name}"
+    doc = searchreport.to_json(result, config.slo, link, thresholds)
+    if args.burst is not None:
+        steady = {a: p.best.deployment if p.best else None for a, p in result.plans.items()}
+        burst = plan_burst(config, trace.scaled(time=result.trace_rate / result.rate),
+                           Burst(args.burst, args.burst_prompt, args.burst_output, args.seed), args.max_gpus, steady)
+        extra += burst.lines()
+        doc["burst"] = burst.to_dict()
+    if args.json:
+        write_search_json(args.json, doc)
+    if args.plot:
+        searchreport.plot(result, config.slo, args.plot, title)
+    if args.router_config:
+        write_search_json(args.router_config, searchreport.router_config(result, config.slo, thresholds))
+    extra += [f"wrote {p}" for p in (args.json, args.plot, args.router_config) if p]
+    head = [f"trace   {trace.describe()}",
+            f"model   {config.model.name} on {config.gpu.name}; link {config.link.name}"]
+    return "\n".join(head) + "\n" + searchreport.render(result, config.slo, link, extra)
 
 
 # -- calibrate ------------------------------------------------------------------------------------------------
