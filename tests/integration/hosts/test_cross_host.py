@@ -10,8 +10,11 @@ from __future__ import annotations
 import signal
 import time
 
+import host_fleet
 import pytest
-from conftest import finish
+from host_fleet import finish
+
+fleet = host_fleet.fleet  # the fixture lives in a helper module (a second conftest.py shadowed the suite's)
 
 MiB = 1 << 20
 SLOW_GBIT = 0.1
