@@ -8,7 +8,9 @@ import glob
 import os
 import signal
 import subprocess
+import zlib
 
+import numpy as np
 import redis
 from conftest import Daemon, free_port, wait_until
 
@@ -17,6 +19,11 @@ import kvstore
 TTL = 2.0           # node TTL of the test daemons
 PEER_TIMEOUT = 1.0  # bound on one node-to-node call, and on one client call in these tests
 NS = "kvstore"
+
+
+def payload(key: str, size: int) -> bytes:
+    """Deterministic bytes for a key (the same on every reader)."""
+    return np.random.default_rng(zlib.crc32(key.encode())).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
 class RedisServer:

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import zlib
 
 import numpy as np
 import pytest
@@ -28,7 +27,7 @@ if shutil.which("redis-server") is None:
     pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)", allow_module_level=True)
 
 import handoff_child  # noqa: E402
-from cluster_procs import NS, PEER_TIMEOUT, TTL, Cluster  # noqa: E402
+from cluster_procs import NS, PEER_TIMEOUT, TTL, Cluster, payload  # noqa: E402
 from conftest import HELPERS, child_env, free_port, no_hang, session_token_file, short_tmpdir, wait_until  # noqa: E402
 
 from kvstore.cluster.config import ClusterConfig, sentinel_parts  # noqa: E402
@@ -47,10 +46,6 @@ def cluster():
     yield c
     c.close()
     shutil.rmtree(workdir, ignore_errors=True)
-
-
-def payload(key: str, size: int) -> bytes:
-    return np.random.default_rng(zlib.crc32(key.encode())).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
 SIZES = [0, 1, 4096, (1 << 20) + 13]

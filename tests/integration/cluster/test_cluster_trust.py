@@ -23,8 +23,8 @@ from dataclasses import replace
 
 import msgpack
 import pytest
+from cluster_procs import NS, TTL, Cluster, ClusterDaemon, payload
 from conftest import child_env, short_tmpdir, wait_until
-from test_cluster import NS, TTL, Cluster, ClusterDaemon, payload
 
 import kvstore
 from kvstore.cluster.daemon.session import INDEX_LEASE_S
