@@ -96,36 +96,46 @@ def _write_token(hosts: H.Hosts) -> None:
         os.close(fd)
 
 
-def bench_rate(link: H.Link, pub: Worker, fetchers: dict[str, Worker], rate: float, blocks: list[int],
+def bench_rate(link: H.Link, pub: Worker, fetcher_for, rate: float, blocks: list[int], modes: list[str],
                n: int) -> list[dict]:
+    """One rate: the raw socket for each request size, then each wire mode's hand-offs, one fetcher process at a
+    time (``fetcher_for(mode)``; each holds its caches and staging buffers: three at once did not fit here)."""
     link.shape(rate)
+    raws = {nb: H.measure_link(link, nb * BLOCK_BYTES, n) for nb in blocks}
     rows = []
-    for nb in blocks:
-        nbytes = nb * BLOCK_BYTES
-        raw = H.measure_link(link, nbytes, n)
-        raw_t = timing_of(nbytes, raw.seconds)
-        for mode, fetcher in fetchers.items():
-            pubs, fetches, e2e = [], [], []
-            for i in range(n + 1):  # the first is a warm-up (caches made, connections warm)
-                rid = f"r-{rate}-{nb}-{mode}-{i}"
-                p = pub.call(op="publish", rid=rid, blocks=nb)["s"]
-                f = fetcher.call(op="fetch", rid=rid, blocks=nb, check=i == 0)
-                if i == 0:
-                    if not f.get("equal"):
-                        raise RuntimeError(f"fetched pages differ from the published ones ({rate} Gbit/s, {nb})")
-                    continue
-                pubs.append(p)
-                fetches.append(f["s"])
-                e2e.append(p + f["s"])
-            ft, et, pt = timing_of(nbytes, fetches), timing_of(nbytes, e2e), timing_of(nbytes, pubs)
-            rows.append({"rate_gbit": rate, "blocks": nb, "mib": nbytes >> 20, "compression": mode,
-                         "raw_gbit_s": raw.gbit_s, "raw_p50_ms": raw_t.p50_s * 1e3, "raw_p99_ms": raw_t.p99_s * 1e3,
-                         "publish_p50_ms": pt.p50_s * 1e3, "fetch_p50_ms": ft.p50_s * 1e3,
-                         "fetch_p99_ms": ft.p99_s * 1e3, "fetch_gbit_s": nbytes * 8 / ft.p50_s / 1e9,
-                         "fetch_vs_raw": raw_t.p50_s / ft.p50_s, "e2e_p50_ms": et.p50_s * 1e3,
-                         "e2e_p99_ms": et.p99_s * 1e3, "e2e_vs_raw": raw_t.p50_s / et.p50_s, "n": n})
-            print(format_table(COLUMNS, rows[-1:]).splitlines()[-1], flush=True)
+    for mode in modes:
+        fetcher = fetcher_for(mode)
+        try:
+            for nb in blocks:
+                rows.append(_handoffs(pub, fetcher, rate, nb, mode, raws[nb], n))
+                print(format_table(COLUMNS, rows[-1:]).splitlines()[-1], flush=True)
+        finally:
+            fetcher.close()
     return rows
+
+
+def _handoffs(pub: Worker, fetcher: Worker, rate: float, nb: int, mode: str, raw: H.LinkRate, n: int) -> dict:
+    nbytes = nb * BLOCK_BYTES
+    raw_t = timing_of(nbytes, raw.seconds)
+    pubs, fetches, e2e = [], [], []
+    for i in range(n + 1):  # the first is a warm-up (caches made, connections warm) and checks the pages
+        rid = f"r-{rate}-{nb}-{mode}-{i}"
+        p = pub.call(op="publish", rid=rid, blocks=nb)["s"]
+        f = fetcher.call(op="fetch", rid=rid, blocks=nb, check=i == 0)
+        if i == 0:
+            if not f.get("equal"):
+                raise RuntimeError(f"fetched pages differ from the published ones ({rate} Gbit/s, {nb})")
+            continue
+        pubs.append(p)
+        fetches.append(f["s"])
+        e2e.append(p + f["s"])
+    ft, et, pt = timing_of(nbytes, fetches), timing_of(nbytes, e2e), timing_of(nbytes, pubs)
+    return {"rate_gbit": rate, "blocks": nb, "mib": nbytes >> 20, "compression": mode,
+            "raw_gbit_s": raw.gbit_s, "raw_p50_ms": raw_t.p50_s * 1e3, "raw_p99_ms": raw_t.p99_s * 1e3,
+            "publish_p50_ms": pt.p50_s * 1e3, "fetch_p50_ms": ft.p50_s * 1e3,
+            "fetch_p99_ms": ft.p99_s * 1e3, "fetch_gbit_s": nbytes * 8 / ft.p50_s / 1e9,
+            "fetch_vs_raw": raw_t.p50_s / ft.p50_s, "e2e_p50_ms": et.p50_s * 1e3,
+            "e2e_p99_ms": et.p99_s * 1e3, "e2e_vs_raw": raw_t.p50_s / et.p50_s, "n": n}
 
 
 COLUMNS = [
@@ -150,20 +160,23 @@ def run(args: argparse.Namespace) -> dict:
         a, b = hosts["a"], hosts["b"]
         daemon = start_daemon(a, link.address(a), f"{capacity_mib}MiB", env)
         pub = Worker(a, "unix:///tmp/kv.sock", env, None)
-        fetchers = {m: Worker(b, f"tcp://{link.address(a)}:{PORT}", env, None if m == "default" else m)
-                    for m in modes}
-        paths = {"publisher": pub.hello["transport"], **{m: w.hello["transport"] for m, w in fetchers.items()}}
-        print(f"# {describe(machine())}; paths {paths}", flush=True)
+        paths = {"publisher": pub.hello["transport"]}
+
+        def fetcher_for(mode: str) -> Worker:
+            w = Worker(b, f"tcp://{link.address(a)}:{PORT}", env, None if mode == "default" else mode)
+            paths[mode] = w.hello["transport"]
+            return w
+
         print(format_table(COLUMNS, []), flush=True)
         rows = []
         try:
             for rate in rates:
-                rows += bench_rate(link, pub, fetchers, rate, blocks, args.n)
+                rows += bench_rate(link, pub, fetcher_for, rate, blocks, modes, args.n)
         finally:
-            for w in (pub, *fetchers.values()):
-                w.close()
+            pub.close()
             daemon.terminate()
             daemon.wait(30)
+        print(f"# paths {paths}", flush=True)
     return {"machine": machine(), "paths": paths, "rows": rows, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                       time.gmtime())}
 
@@ -281,14 +294,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compression", default="default",
                         help="the fetcher's wire compression modes to compare, comma-separated")
     parser.add_argument("--codec-only", action="store_true", help="measure the compressor only (no namespaces)")
+    parser.add_argument("--no-codec", action="store_true", help="skip the compressor measurement")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.n < 1:
         parser.error(f"-n must be at least 1, got {args.n}")
     print(f"# {describe(machine())}", flush=True)
-    codec = codec_rows()
-    needs = print_codec(codec, [float(r) for r in args.rates.split(",")])
-    result = {"machine": machine(), "codec": codec, "needed_ratio": needs}
+    result: dict = {"machine": machine()}
+    if not args.no_codec:
+        result["codec"] = codec_rows()
+        result["needed_ratio"] = print_codec(result["codec"], [float(r) for r in args.rates.split(",")])
     if not args.codec_only:
         reason = H.unavailable_reason()
         if reason is not None:

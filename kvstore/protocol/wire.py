@@ -234,9 +234,9 @@ _PUT: dict[str, Field] = {  # a put's fields but the data path ("mode"), which c
     "key": (_key, True, None), "size": (_int, True, None), "meta": (_map, True, None),
     "if_absent": (_bool, False, False), "pin": (_bool, False, False), "checksum": (_opt_int, False, None),
     "ephemeral": (_bool, False, False), "defer": (_bool, False, False)}
-_GET: dict[str, Field] = {"key": (_key, True, None), "mode": (_mode, True, None)}
 #: compression of a stream payload (kvstore.protocol.compression), asked for per transfer
 _COMPRESS: Field = (check_codec, False, None)
+_GET: dict[str, Field] = {"key": (_key, True, None), "mode": (_mode, True, None), "compress": _COMPRESS}
 
 #: Every op any kvstore daemon accepts, with its fields: the whole protocol, declared once.
 SCHEMA: dict[str, dict[str, Field]] = {
@@ -260,7 +260,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "arena_release": {"arenas": (_ints, True, None)},
     "arena_commit": {"entries": (_commit_entries, True, None), "if_absent": (_bool, False, False),
                      "pin": (_bool, False, False), "ephemeral": (_bool, False, False)},
-    "get": {**_GET, "compress": _COMPRESS},
+    "get": dict(_GET),
     "release": {"lease": (_int, True, None)},
     "lease": dict(_KEY),
     "exists": dict(_KEY),

@@ -241,9 +241,13 @@ class Hosts:
 
     def close(self) -> None:
         """Kill every process started in the hosts and every keeper, delete the namespaces (and their veths)."""
+        failures = []
         for host in self.hosts.values():
             for proc in [*host.procs, *([host.keeper] if host.keeper is not None else [])]:
-                _kill(proc)
+                try:
+                    _kill(proc)
+                except Exception as exc:  # keep going: the namespaces must go whatever else failed
+                    failures.append(exc)
             host.procs.clear()
             host.keeper = None
         for netns in self._made:
@@ -251,6 +255,8 @@ class Hosts:
             _sh("ip", "netns", "del", netns, check=False)
         self._made.clear()
         self.links.clear()
+        if failures:
+            raise HostSetupError(f"stopping the hosts' processes failed: {failures}")
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -260,9 +266,12 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         pass
-    for stream in (proc.stdout, proc.stderr, proc.stdin):
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
         if stream is not None:
-            stream.close()
+            try:
+                stream.close()
+            except OSError:  # unflushed input to a process that is gone: nothing to keep
+                pass
 
 
 def _kill_pids_in(netns: str) -> None:
