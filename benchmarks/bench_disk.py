@@ -122,7 +122,7 @@ def tier_embedded(directory: str, size: int, total: int) -> dict:
 
 @contextlib.contextmanager
 def daemon(capacity: int, *args: str):
-    """A real ``kvstore serve`` on a Unix socket (the one launcher, ``benchmarks.common.daemon``)."""
+    """A real ``kvstore serve`` on a Unix socket (the one launcher, ``kvstore.testing.daemon``)."""
     with Daemon(capacity=str(capacity), tcp=False, args=args, log_level="warning") as d:
         kvstore.connect(d.unix_url, timeout=60).close()  # answered once start-up (and recovery) is over
         yield d.unix_url

@@ -1,6 +1,6 @@
 """A ``kvstore serve`` daemon started for one run on a private Unix socket, and stopped (SIGTERM) after it.
 
-The process is :class:`benchmarks.common.daemon.Daemon` (the one launcher); this adds the run's view of it."""
+The process is :class:`kvstore.testing.daemon.Daemon` (the one launcher); this adds the run's view of it."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from kvstore.errors import DiskReadError, KeyNotFoundError
 from kvstore.memory.disk_dir import fsync_dir, lock_directory, scan
@@ -98,6 +99,12 @@ class DiskObject:
     reads: int = 0
     expires: float = 0.0  # time.time() after which it is gone (0: never)
 
+    def staging(self) -> mmap.mmap:
+        """The staged bytes of an object whose write is in flight (RuntimeError otherwise: a bug)."""
+        if self.staged is None:
+            raise RuntimeError(f"disk object {self.key!r} has no staged bytes (its write is not in flight)")
+        return self.staged
+
     def expired(self, now: float) -> bool:
         return 0.0 < self.expires <= now
 
@@ -140,9 +147,10 @@ class DiskTier:
                 self.counters["disk_dropped"] += 1
                 return False
             self._generation += 1
-            obj = DiskObject(key, meta, len(payload), version, self._generation, nbytes, staged=self._buffer(nbytes),
+            staged = self._buffer(nbytes)
+            obj = DiskObject(key, meta, len(payload), version, self._generation, nbytes, staged=staged,
                              expires=expires)
-            stage(obj.staged, key, meta, payload)
+            stage(staged, key, meta, payload)
             self._forget(self._objects.get(key))
             self._objects[key] = obj
             self._used += nbytes
@@ -215,7 +223,7 @@ class DiskTier:
                     self._forget(obj)
             with self._cond:
                 self._staged -= obj.size
-                self._recycle(obj.staged)
+                self._recycle(obj.staging())
                 obj.staged = None
                 self._unsynced += 1
                 sync = not self._queue or self._unsynced >= 32
@@ -229,7 +237,7 @@ class DiskTier:
     def _write(self, obj: DiskObject) -> None:
         tmp = os.path.join(self.path, "." + obj.name + TMP_SUFFIX)
         try:
-            checksum = write_record(tmp, obj.staged, obj.key, obj.meta, obj.size, obj.version, obj.generation,
+            checksum = write_record(tmp, obj.staging(), obj.key, obj.meta, obj.size, obj.version, obj.generation,
                                     obj.expires)
         except OSError as exc:
             full = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
@@ -279,7 +287,7 @@ class DiskTier:
             self.counters["disk_reads"] += 1
             if obj.record is None:  # still being written: the staged bytes are the object
                 offset = payload_offset(obj.key, obj.meta)
-                with memoryview(obj.staged) as staged:
+                with memoryview(obj.staging()) as staged:
                     dst[:obj.size] = staged[offset:offset + obj.size]
                 return obj
             try:
@@ -332,7 +340,7 @@ class DiskTier:
                 pass
 
     # ---- recovery -----------------------------------------------------------------------------------
-    def _recover(self) -> dict:
+    def _recover(self) -> dict[str, Any]:
         """Rebuild the index from the headers of the files in the directory (payloads are not read)."""
         started = time.perf_counter()
         records, dropped = scan(self.path)
@@ -350,7 +358,7 @@ class DiskTier:
         return out
 
     # ---- stats and lifecycle ------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         with self._cond:
             return {"disk_capacity_bytes": self.capacity, "disk_used_bytes": self._used,
                     "disk_objects": len(self._objects),

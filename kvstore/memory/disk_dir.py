@@ -31,7 +31,7 @@ def scan(path: str) -> tuple[list[Record], int]:
     return [r for r, _, _ in sorted(found.values(), key=lambda f: f[2])], dropped
 
 
-def _scan_one(entry: os.DirEntry, found: dict, now: float) -> int:
+def _scan_one(entry: os.DirEntry[str], found: dict[str, tuple[Record, str, float]], now: float) -> int:
     try:
         record = read_record(entry.path)
     except (RecordError, OSError) as exc:

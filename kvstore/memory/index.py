@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
+from typing import Any
 
 import xxhash
 
@@ -112,7 +114,8 @@ class IndexWriter:
         return 0 if idx is None else ATIME.unpack_from(self.buf, HEADER.size + idx * SLOT.size + _ATIME_OFFSET)[0]
 
     def _version(self, idx: int) -> int:
-        return SLOT.unpack_from(self.buf, HEADER.size + idx * SLOT.size)[3]
+        version: int = SLOT.unpack_from(self.buf, HEADER.size + idx * SLOT.size)[3]
+        return version
 
     def _free_slot(self, h1: int) -> int:
         idx = h1 & self.mask
@@ -162,7 +165,8 @@ class IndexReader:
     MAX_PROBES = 64
     MAX_RETRIES = 8
 
-    def __init__(self, buf: memoryview, region, generation: int | None = None, stale_after: float = 30.0):
+    def __init__(self, buf: memoryview, region: Callable[[int, int, int], memoryview], generation: int | None = None,
+                 stale_after: float = 30.0):
         """``generation``: the daemon's, as its hello said (None: whatever the index shows now);
         ``stale_after``: seconds without a daemon heartbeat after which the index is not trusted."""
         magic, layout, slots, _seq, gen, _beat, _alive = HEADER.unpack_from(buf, 0)
@@ -175,9 +179,9 @@ class IndexReader:
     def trusted(self) -> bool:
         """Whether the daemon that writes this index is the expected one, alive, and heart-beating."""
         generation, beat, alive = LIFE.unpack_from(self.buf, _LIFE_OFFSET)
-        return alive == 1 and generation == self.generation and time.monotonic_ns() - beat <= self._stale_ns
+        return bool(alive == 1 and generation == self.generation and time.monotonic_ns() - beat <= self._stale_ns)
 
-    def find(self, key: str) -> tuple[int, tuple] | None:
+    def find(self, key: str) -> tuple[int, tuple[Any, ...]] | None:
         """(slot base, slot fields) of the key's live slot as seen now, or None."""
         h1, h2 = key_hash(key)
         idx = h1 & self.mask
@@ -195,7 +199,7 @@ class IndexReader:
             idx = (idx + 1) & self.mask
         return None
 
-    def read_into(self, key: str, out) -> tuple[int, int, int] | None:
+    def read_into(self, key: str, out: Callable[[int], memoryview]) -> tuple[int, int, int] | None:
         """Copy the object into ``out(size)``'s view; return (size, version, checksum) or None to fall back.
 
         ``out`` is called with the object's size and returns a writable byte view (it may raise, e.g.

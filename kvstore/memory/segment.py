@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.memory.shm import CREATING, SHM_DIR, SharedMemory, try_lock
 
@@ -66,7 +67,7 @@ class SegmentSet:
         """The master's mover (:data:`kvstore.core.master.Mover`) for these segments."""
         self.segments[segment].move(src, dst, nbytes)
 
-    def describe(self) -> list[list]:
+    def describe(self) -> list[list[Any]]:
         """[[id, name, size], ...] for clients to map."""
         return [[s.id, s.name, s.size] for s in self.segments]
 
@@ -79,7 +80,7 @@ class SegmentSet:
 def reap_orphans() -> list[str]:
     """Unlink kvstore shared memory whose owner is gone: nobody holds its lock, and the pid in its name (when
     it names one) is not a live process here. Returns the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:

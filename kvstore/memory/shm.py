@@ -59,10 +59,11 @@ class SharedMemory:
             raise
         finally:
             os.unlink(tmp)
+        lock_fd: int | None = fd
         if unlink_now:
             os.close(fd)
-            fd = None
-        shm = cls(name, size, mm, owner=not unlink_now, lock_fd=fd)
+            lock_fd = None
+        shm = cls(name, size, mm, owner=not unlink_now, lock_fd=lock_fd)
         if prefault:
             shm.prefault()
         return shm

@@ -51,7 +51,8 @@ def free_port() -> int:
     """A loopback TCP port that was free a moment ago (another process may still take it: see ``start``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def short_tmpdir(prefix: str = "kvs-") -> str:
@@ -96,7 +97,8 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def can_connect(family: int, address) -> bool:
+def can_connect(family: int, address: str | tuple[str, int]) -> bool:
+    """Whether a stream socket of ``family`` connects to ``address`` within a second."""
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
         try:
@@ -117,7 +119,7 @@ class Daemon:
 
     def __init__(self, workdir: str | None = None, *, capacity: str = "64MiB", unix: bool = True,
                  tcp: bool = True, args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 log_level: str = "info", log_path: str | os.PathLike | None = None, unix_path: str | None = None,
+                 log_level: str = "info", log_path: str | os.PathLike[str] | None = None, unix_path: str | None = None,
                  port: int | None = None, metrics_port: int | None = None, token_file: str | None = None,
                  insecure: bool = False):
         if not (unix or tcp):
@@ -133,7 +135,7 @@ class Daemon:
         self.insecure = insecure
         self.token_file = token_file if token_file is not None or insecure or not tcp else process_token_file()
         self.log_path = str(log_path or os.path.join(self.workdir, f"daemon-{uuid.uuid4().hex[:8]}.log"))
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.stopped = False
         self.exit_code: int | None = None  # set by stop(); 0 is a clean shutdown
 

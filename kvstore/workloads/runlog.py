@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvstore.workloads import runschema as schema
 from kvstore.workloads.arch import Arch
@@ -48,12 +49,12 @@ class RunRequest:
 class RunLog:
     path: str
     requests: tuple[RunRequest, ...]
-    summary: dict
+    summary: dict[str, Any]
     arch: Arch | None
-    timeline: tuple[dict, ...] = ()
+    timeline: tuple[dict[str, Any], ...] = ()
     unfinished: int = 0  # requests in the log with no output token (lost, or cut off): not in ``requests``
 
-    def find(self, *names: str):
+    def find(self, *names: str) -> Any:
         """The first value stored under any of ``names`` anywhere in summary.json (depth first)."""
         return _find(self.summary, names)
 
@@ -63,7 +64,7 @@ class RunLog:
         return Trace(name=Path(self.path).name, requests=tuple(
             TraceRequest(i, r.arrival_s - t0, r.prompt_tokens, r.output_tokens) for i, r in enumerate(reqs)))
 
-    def find_list(self, name: str) -> list | None:
+    def find_list(self, name: str) -> list[Any] | None:
         deployment = self.summary.get("deployment", self.summary)
         value = deployment.get(name) if isinstance(deployment, dict) else None
         return value if isinstance(value, list) else None
@@ -75,7 +76,7 @@ class RunLog:
         return int(blocks) * int(size) if blocks and size else None
 
 
-def _find(obj, names: tuple[str, ...]):
+def _find(obj: Any, names: tuple[str, ...]) -> Any:
     if isinstance(obj, dict):
         for name in names:
             if name in obj and not isinstance(obj[name], (dict, list)):
@@ -87,7 +88,7 @@ def _find(obj, names: tuple[str, ...]):
     return None
 
 
-def _parse(rec: dict, where: str, ours: bool) -> RunRequest:
+def _parse(rec: dict[str, Any], where: str, ours: bool) -> RunRequest:
     missing = schema.missing_fields(rec)
     if missing:
         raise ValueError(f"{where}: missing fields {missing}")
@@ -106,7 +107,8 @@ def _parse(rec: dict, where: str, ours: bool) -> RunRequest:
                       decode_worker=_int_or_none(rec.get("decode_worker")))
 
 
-def _foreign_times(rec: dict, arrival: float, ttft: float, times: list[float], start: float, end: float):
+def _foreign_times(rec: dict[str, Any], arrival: float, ttft: float, times: list[float], start: float,
+                   end: float) -> tuple[list[float], float, float]:
     """A log not written to the schema: its absolute times may be relative to arrival; detect and add it."""
     if times and abs(times[0] - ttft) < abs(times[0] - (arrival + ttft)):
         times = [t + arrival for t in times]
@@ -119,7 +121,7 @@ def _foreign_times(rec: dict, arrival: float, ttft: float, times: list[float], s
     return times, start, end
 
 
-def _int_or_none(value) -> int | None:
+def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
@@ -154,8 +156,9 @@ def read_run(directory: str | Path) -> RunLog:
                   unfinished)
 
 
-def write_run(directory: str | Path, result, summary: dict | None = None) -> None:
-    """Write a simulation (a SimResult run with ``record_tokens=True``) in the engine's run format."""
+def write_run(directory: str | Path, result: Any, summary: dict[str, Any] | None = None) -> None:
+    """Write a simulation (a ``kvstore.planner`` SimResult run with ``record_tokens=True``, a layer above this
+    one, hence Any) in the engine's run format."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     dep = result.deployment

@@ -13,6 +13,7 @@ other ``*_s`` field is a duration in seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 SCHEMA_VERSION = 1
 SCHEMA_KEY = "runlog_schema"  # summary.json: the version of this schema the run was written to
@@ -53,12 +54,12 @@ REQUIRED: tuple[str, ...] = tuple(f.name for f in REQUEST_FIELDS if f.required)
 ABSOLUTE_TIMES: frozenset[str] = frozenset(f.name for f in REQUEST_FIELDS if f.absolute)
 
 
-def missing_fields(row: dict) -> list[str]:
+def missing_fields(row: dict[str, Any]) -> list[str]:
     """The required fields ``row`` lacks, in schema order."""
     return [name for name in REQUIRED if name not in row]
 
 
-def request_row(values: dict) -> dict:
+def request_row(values: dict[str, Any]) -> dict[str, Any]:
     """``values`` as one ``requests.jsonl`` line, in schema order; ValueError if a field is not in the schema
     or a required one is missing (a writer that drifted from the reader fails here, not in the planner)."""
     unknown = sorted(set(values) - FIELDS.keys())
@@ -68,6 +69,6 @@ def request_row(values: dict) -> dict:
     return {name: values[name] for name in FIELDS if name in values}
 
 
-def summary_header() -> dict:
+def summary_header() -> dict[str, Any]:
     """The keys every summary.json written to this schema starts with."""
     return {SCHEMA_KEY: SCHEMA_VERSION}

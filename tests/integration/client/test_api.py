@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from conftest import CONTRACT_KINDS, MiB, child_address, no_hang, open_client, shm_segments
+from conftest import CONTRACT_KINDS, HANG_S, MiB, child_address, no_hang, open_client, shm_segments
 
 import kvstore
 from kvstore import (
@@ -689,7 +689,7 @@ def test_pinned_and_leased_survive_eviction_then_store_full(fresh_store, store_k
         assert bytes(store.get("leased")) == leased
         assert bytes(view) == viewed
     # the leases are gone: now "leased" and "viewed" may be evicted to make room
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S  # a "did not hang" bound: the releases are pipelined
     while True:
         try:
             store.put("too-much", rand_bytes(3 * MiB, 5))
