@@ -220,6 +220,16 @@ class LayoutMismatchError(KVStoreError, ValueError):
     code = "LayoutMismatch"
 
 
+class UnsupportedKVCacheError(KVStoreError, ValueError):
+    """An engine's KV cache has a layout, dtype, platform or cache type kvstore cannot move; the message names
+    what was found and what is supported. Raised when the cache is registered, before any byte is copied.
+
+    Nothing was started. Retrying cannot help: change the engine's configuration (or use it without kvstore).
+    """
+
+    code = "UnsupportedKVCache"
+
+
 class HandoffTimeoutError(KVStoreError, TimeoutError):
     """A hand-off fetch waited longer than its timeout for the producer to publish.
 
