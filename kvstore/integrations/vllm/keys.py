@@ -141,7 +141,8 @@ def layout_from_vllm_config(vllm_config: Any, kv_cache_config: Any, tp_rank: int
     backend, packing = _backend_and_packing(vllm_config, spec, current_platform.is_cpu())
     return CacheLayout(
         backend=backend, packing=packing,
-        cache_layout=str(getattr(kv_cache_config, "kv_cache_layout", "") or ""), dtype=geometry.dtype,
+        # Not vLLM's physical layout name: pages are packed as the kind, so LBNHC and BLNHC engines share blocks.
+        cache_layout="", dtype=geometry.dtype,
         kv_cache_dtype=str(cache.cache_dtype), block_size=spec.block_size, num_layers=len(groups[0].layer_names),
         num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, page_shape=geometry.page_shape,
         model=str(model.model), revision=str(model.revision or ""), tp_rank=tp_rank,
