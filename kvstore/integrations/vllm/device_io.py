@@ -1,18 +1,19 @@
 """Block I/O for caches in device memory (CUDA): the data path :class:`~.block_io.BlockIO` hands device caches to.
 
-Save: one gather kernel packs a chunk of blocks (every layer, block-major) into a device staging buffer on the
-connector's own CUDA stream (after the stream has waited for the forward pass that wrote them), then each
-block's bytes go to the store as a device value: on a same-host daemon (``shm`` / ``cuda_ipc``) that is one
-device-to-host copy straight into the object's reserved region of the daemon's shared memory, which the client
-page-locks (``cudaHostRegister``) once per segment, enqueued on the same stream (or a device-to-device copy
-into a GPU segment on ``cuda_ipc``). Load is the reverse: host-to-device from the leased region into staging,
-one scatter kernel, and the engine's stream waits for ours before the forward pass reads the blocks. A store
-that moves host memory only (embedded, ``tcp``) gets a device-to-host copy into a private buffer instead.
+Save, per chunk of blocks: reserve one object per block in the store (on a same-host daemon or the embedded
+store, views of the store's own memory; the client page-locks each shared-memory segment once with
+``cudaHostRegister``), one gather kernel packs the blocks (every layer, block-major) into a device staging buffer
+on the connector's own CUDA stream, after that stream has waited for the forward pass that wrote them; then one
+device-to-host copy per block straight into its reserved view, all enqueued on that stream with one wait at the
+end, and one commit (which records each object's xxh3, so loads can verify). Load is the reverse: lease the
+objects (views of the store's memory, checked against their checksums on the host when asked), one
+host-to-device copy each into staging and one wait, release, one scatter kernel, and the engine's stream waits
+for ours before the forward pass reads the blocks. Over ``tcp`` the views are staging buffers the store sends.
 
-The device itself is a small :class:`Device` object, so that tests drive this path on machines without a GPU
-(``tests/helpers/fake_cuda.py``: host memory posing as device memory, with the store's real device path).
-A device fault or an out-of-memory error during a save raises TransportError (the worker drops the save,
-counted); during a load it fails the chunk's blocks (vLLM recomputes them). Neither stops the engine.
+The device is a small :class:`Device` object, so that tests drive this path on machines without a GPU
+(``tests/helpers/fake_cuda.py``: host memory posing as device memory). A device fault or an out-of-memory error
+during a save raises TransportError (the worker drops the save, counted, nothing committed); during a load it
+fails the chunk's blocks (vLLM recomputes them). Neither stops the engine.
 """
 
 from __future__ import annotations
@@ -21,34 +22,45 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvstore import ops
 from kvstore.client.store import KVStore
+from kvstore.core.digest import checksum_of
 from kvstore.errors import ChecksumError, KeyNotFoundError, KVStoreError, StoreConnectionError, TransportError
-from kvstore.layout import KVLayout
+from kvstore.layout import KVLayout, dtype_name
 
 DEVICE_ERRORS = (RuntimeError, torch.OutOfMemoryError)  # CUDA errors surface as RuntimeError in torch
 
 
 class Device(Protocol):
-    """Where the caches live: staging memory, the connector's stream, and how the store sees device bytes."""
+    """Where the caches live: staging memory, the connector's stream and the CUDA runtime that copies on it."""
+
+    runtime: Any  # kvstore._C_cuda (or tests' fake_cuda): memcpy_async, event_* and host_register
+    index: int  # the device ordinal
+    stream_handle: int  # the connector's stream as a cudaStream_t
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
     def ids(self, block_ids: Sequence[int]) -> torch.Tensor: ...
     def on_stream(self, *, after_engine: bool, before_engine: bool) -> contextlib.AbstractContextManager: ...
-    def value(self, t: torch.Tensor) -> Any: ...
 
 
 class CudaDevice:
     """A CUDA device with one stream of the connector's own (never the default stream)."""
 
     def __init__(self, device: torch.device):
+        from kvstore.gpu import runtime as gpu
+
         self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.stream = torch.cuda.Stream(device)
+        self.stream_handle = self.stream.cuda_stream
+        self.runtime = gpu.native()
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=self.device)
+        with torch.cuda.stream(self.stream):  # allocated for our stream: reused only after our work on it
+            return torch.empty(shape, dtype=dtype, device=self.device)
 
     def ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.int64).to(self.device, non_blocking=True)
@@ -65,8 +77,10 @@ class CudaDevice:
         if before_engine:
             engine.wait_stream(self.stream)
 
-    def value(self, t: torch.Tensor) -> torch.Tensor:
-        return t  # the store enqueues its copy on the current stream: ours, inside on_stream
+
+def _address(view: memoryview) -> int:
+    """Address of a (possibly read-only) contiguous byte view."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
 
 
 class DeviceBlocks:
@@ -76,27 +90,62 @@ class DeviceBlocks:
         self.pages, self.layout, self.chunk, self.device = pages, kernel_layout, chunk, device
         self.block_nbytes = kernel_layout.block_nbytes
         self._staging: torch.Tensor | None = None
+        self.pinned = 0  # views whose store memory was page-locked when copied (stats and tests)
 
     def _stage(self, n: int) -> torch.Tensor:
         if self._staging is None:
             self._staging = self.device.empty(ops.packed_shape(self.layout, self.chunk), self.layout.dtype)
         return self._staging[:n]
 
+    def _copy(self, store: KVStore, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """Enqueue one copy of a block per (host address, device address) on our stream; wait once for all.
+        Each host range is page-locked first where the store can (its shared-memory segment, once)."""
+        dev, rt, nbytes = self.device, self.device.runtime, self.block_nbytes
+        memory = store.device_memory()
+        pin = getattr(memory, "pin_host", None)
+        for host, _ in pairs:
+            if pin is not None and pin(rt, host, nbytes):
+                self.pinned += 1
+        for host, device_ptr in pairs:
+            dst, src = (host, device_ptr) if to_host else (device_ptr, host)
+            rt.memcpy_async(dst, src, nbytes, dev.index, dev.stream_handle)
+        event = rt.event_create(dev.index)
+        try:
+            rt.event_record(event, dev.index, dev.stream_handle)
+            rt.event_synchronize(event)  # the gather before and the copies: everything of ours so far
+        finally:
+            rt.event_destroy(event)
+
     # ---- saves ----------------------------------------------------------------------------------------
     def save(self, store: KVStore, items: Sequence[tuple[str, int]], ttl: float | None) -> int:
-        """Gather each chunk on the device, then one copy per block into the store (all of a chunk or none)."""
+        """Per chunk: reserve, gather on the device, one copy per block into its view, one commit."""
         written = 0
         for start in range(0, len(items), self.chunk):
             chunk = items[start:start + self.chunk]
-            try:
-                with self.device.on_stream(after_engine=True, before_engine=False):
-                    staged = self._stage(len(chunk))
-                    ops.gather_pages(self.pages, self.device.ids([b for _, b in chunk]), staged, layout=self.layout)
-                    self._put(store, [k for k, _ in chunk], staged, ttl)
-            except DEVICE_ERRORS as exc:
-                raise TransportError(f"device error while saving {len(chunk)} block(s): {exc}") from None
+            with self.device.on_stream(after_engine=True, before_engine=False):
+                self._save_chunk(store, [k for k, _ in chunk], None, [b for _, b in chunk], ttl)
             written += len(chunk) * self.block_nbytes
         return written
+
+    def _save_chunk(self, store: KVStore, keys: list[str], packed: torch.Tensor | None, block_ids: list[int],
+                    ttl: float | None) -> None:
+        batch = store.reservation(ttl=ttl)
+        try:
+            shape, dtype = ops.packed_shape(self.layout, 1), dtype_name(self.layout.dtype)
+            views = [batch.add(key, self.block_nbytes, kind="torch", dtype=dtype, shape=shape) for key in keys]
+            if packed is None:
+                packed = self._stage(len(keys))
+                ops.gather_pages(self.pages, self.device.ids(block_ids), packed, layout=self.layout)
+            base = packed.data_ptr()
+            self._copy(store, [(_address(v), base + i * self.block_nbytes) for i, v in enumerate(views)], True)
+            del views
+        except DEVICE_ERRORS as exc:
+            batch.abort()
+            raise TransportError(f"device error while saving {len(keys)} block(s): {exc}") from None
+        except BaseException:
+            batch.abort()
+            raise
+        batch.commit()  # hashes each object on the host: loads can verify device-saved blocks too
 
     def pack(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A new device buffer holding the blocks (the asynchronous saver's copy), gathered on our stream."""
@@ -108,52 +157,51 @@ class DeviceBlocks:
             raise TransportError(f"device error while packing {len(block_ids)} block(s): {exc}") from None
 
     def put_packed(self, store: KVStore, keys: Sequence[str], packed: torch.Tensor, ttl: float | None) -> int:
-        try:
-            with self.device.on_stream(after_engine=False, before_engine=False):
-                self._put(store, list(keys), packed, ttl)
-        except DEVICE_ERRORS as exc:
-            raise TransportError(f"device error while saving {len(keys)} block(s): {exc}") from None
+        """Store the blocks of ``packed`` (from :meth:`pack`, on our stream) under ``keys``."""
+        with self.device.on_stream(after_engine=False, before_engine=False):
+            self._save_chunk(store, list(keys), packed, [], ttl)
         return len(keys) * self.block_nbytes
-
-    def _put(self, store: KVStore, keys: list[str], packed: torch.Tensor, ttl: float | None) -> None:
-        if store.device_memory() is None:  # a host-only store: one device-to-host copy into a private buffer
-            host = packed.to("cpu")
-            store.batch_put([(key, host[i:i + 1]) for i, key in enumerate(keys)], ttl=ttl)
-            return
-        store.batch_put([(key, self.device.value(packed[i:i + 1])) for i, key in enumerate(keys)], ttl=ttl)
 
     # ---- loads ----------------------------------------------------------------------------------------
     def load(self, store: KVStore, items: Sequence[tuple[str, int]], verify: bool, result: Any) -> list[int]:
-        """Copy each chunk's objects into staging on our stream, then one scatter; returns the failed blocks."""
+        """Per chunk: lease the objects, one copy each into staging, one scatter; returns the failed blocks."""
         failed: list[int] = []
         for start in range(0, len(items), self.chunk):
             chunk = items[start:start + self.chunk]
+            leased: list[Any] = []
+            good: list[tuple[int, memoryview]] = []
             try:
                 with self.device.on_stream(after_engine=True, before_engine=True):
-                    good = self._load_chunk(store, chunk, verify, result, failed, items[start:])
+                    good = self._lease(store, chunk, verify, result, failed, items[start:], leased)
+                    self._load_chunk(store, chunk, good)
             except DEVICE_ERRORS:
-                good = []
                 failed.extend(b for _, b in chunk if b not in failed)
+                good = []
+            finally:
+                for _, view in good:
+                    view.release()
+                for obj in leased:
+                    obj.release()
             result.loaded += len(good)
             if result.connection_lost:
                 break
         return failed
 
-    def _load_chunk(self, store: KVStore, chunk: Sequence[tuple[str, int]], verify: bool, result: Any,
-                    failed: list[int], rest: Sequence[tuple[str, int]]) -> list[int]:
-        staged = self._stage(len(chunk))
-        flat = staged.view(len(chunk), -1)
-        host = store.device_memory() is None
-        good: list[int] = []
+    def _lease(self, store: KVStore, chunk: Sequence[tuple[str, int]], verify: bool, result: Any,
+               failed: list[int], rest: Sequence[tuple[str, int]], leased: list[Any]) -> list[tuple[int, memoryview]]:
+        """Lease each object (checked: size, and its checksum on the host with ``verify``); (position, view)
+        of the good ones."""
+        good: list[tuple[int, memoryview]] = []
         for i, (key, block_id) in enumerate(chunk):
             try:
-                if host:  # a host-only store: into a private buffer, then one host-to-device copy
-                    buf = torch.empty(flat.shape[1], dtype=flat.dtype)
-                    store.get_into(key, buf, verify=verify)
-                    flat[i].copy_(buf)
-                else:
-                    store.get_into(key, self.device.value(flat[i]), verify=verify)
-                good.append(i)
+                obj = store.get(key, copy=False)
+                leased.append(obj)
+                view = memoryview(obj)
+                if len(view) != self.block_nbytes:
+                    raise KeyNotFoundError(f"object {key!r} holds {len(view)} bytes, a block is {self.block_nbytes}")
+                if verify and obj.meta.checksum is not None and checksum_of(view) != obj.meta.checksum:
+                    raise ChecksumError(f"object {key!r}: bytes differ from the checksum recorded at commit")
+                good.append((i, view))
             except StoreConnectionError:
                 result.connection_lost = True
                 failed.extend(b for _, b in rest[i:])
@@ -164,7 +212,15 @@ class DeviceBlocks:
                 elif isinstance(exc, KeyNotFoundError):
                     result.missing += 1
                 failed.append(block_id)
-        if good:
-            src = staged if len(good) == len(chunk) else staged[self.device.ids(good)].contiguous()
-            ops.scatter_pages(src, self.device.ids([chunk[i][1] for i in good]), self.pages, layout=self.layout)
         return good
+
+    def _load_chunk(self, store: KVStore, chunk: Sequence[tuple[str, int]], good: list[tuple[int, memoryview]]
+                    ) -> None:
+        if not good:
+            return
+        staged = self._stage(len(good))
+        base = staged.data_ptr()
+        self._copy(store, [(_address(view), base + n * self.block_nbytes) for n, (_, view) in enumerate(good)],
+                   to_host=False)
+        ids = self.device.ids([chunk[i][1] for i, _ in good])
+        ops.scatter_pages(staged, ids, self.pages, layout=self.layout)

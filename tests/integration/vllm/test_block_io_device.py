@@ -14,10 +14,10 @@ torch = pytest.importorskip("torch")
 
 import fake_cuda  # noqa: E402
 
+import kvstore  # noqa: E402
 from kvstore.errors import TransportError  # noqa: E402
 from kvstore.integrations.vllm.block_io import BlockIO  # noqa: E402
 from kvstore.integrations.vllm.keys import CacheLayout  # noqa: E402
-from kvstore.memory.device import DeviceBuffer  # noqa: E402
 
 L, NB, H, N, D = 3, 12, 2, 16, 64
 
@@ -46,7 +46,9 @@ def blocks_of(views: list[torch.Tensor], block_id: int) -> list[torch.Tensor]:
 
 
 class FakeDevice:
-    """Host memory posing as device memory: the store sees DeviceBuffers with the fake CUDA runtime."""
+    """Host memory posing as device memory, copied by the fake CUDA runtime."""
+
+    runtime, index, stream_handle = fake_cuda, 0, 7
 
     def __init__(self, out_of_memory: bool = False):
         self.out_of_memory = out_of_memory
@@ -65,36 +67,42 @@ class FakeDevice:
         self.stream_entries.append((after_engine, before_engine))
         yield
 
-    def value(self, t):
-        return DeviceBuffer(t.data_ptr(), t.numel() * t.element_size(), 0, 0, fake_cuda, owner=t)
 
-
-@pytest.fixture
-def store(daemon):
-    s = daemon.connect("shm")
+@pytest.fixture(params=["shm"])
+def store(request):
+    if request.param == "embedded":
+        s = kvstore.KVStore.embedded(capacity="16MiB")
+    else:
+        s = request.getfixturevalue("daemon").connect(request.param)
     yield s
     for key in s.keys("devio/"):
         s.remove(key)
     s.close()
 
 
+@pytest.mark.parametrize("store", ["shm", "tcp", "embedded"], indirect=True)
 @pytest.mark.parametrize("name", ["BLHNC", "LBNHC", "MLA"])
 def test_device_blocks_round_trip_through_pinned_shared_memory(store, name):
     _, src, layout = vllm_caches(name, 1)
-    copies = fake_cuda.calls["copy_and_wait"]
+    before_calls = dict(fake_cuda.calls)
     device = FakeDevice()
     io = BlockIO(src, layout, device=device)
     keys = [(f"devio/{name}/{b}", b) for b in (3, 11, 0)]
     assert io.save(store, keys) == 3 * layout.block_nbytes
-    assert fake_cuda.calls["copy_and_wait"] - copies == 3  # one device-to-host copy per block, nothing staged
+    calls = {k: v - before_calls.get(k, 0) for k, v in fake_cuda.calls.items()}
+    # one device-to-host copy per block straight into its reserved view, one wait for all of them
+    assert calls["memcpy_async"] == 3 and calls["event_synchronize"] == 1
+    if getattr(store, "transport", None) == "shm":  # the store's own memory: its segment registered once
+        assert io.device.pinned == 3 and "pinned" in store.stats()["device_path"]
+        assert calls.get("host_register", 0) <= 1
     assert device.stream_entries == [(True, False)]  # waited for the engine's stream, on ours
-    assert "pinned" in store.stats()["device_path"]
     _, dst, _ = vllm_caches(name, 2)
     before = [v.clone() for v in dst]
     out = FakeDevice()
     result = BlockIO(dst, layout, device=out).load(store, [(k, b + 1 if b < 11 else 5) for k, b in keys])
     assert (result.loaded, result.failed_blocks, result.nbytes) == (3, (), 3 * layout.block_nbytes)
     assert out.stream_entries == [(True, True)]  # the engine's stream waits for the loaded blocks
+    assert fake_cuda.calls["memcpy_async"] - before_calls.get("memcpy_async", 0) == 6
     for (_, b), target in zip(keys, (4, 5, 1), strict=True):
         assert all(torch.equal(x, y) for x, y in zip(blocks_of(dst, target), blocks_of(src, b), strict=True))
     untouched = [b for b in range(NB) if b not in (4, 5, 1)]
@@ -133,7 +141,7 @@ def test_a_missing_block_fails_alone_and_device_faults_fail_the_request(store):
     oom = BlockIO(dst, layout, device=FakeDevice(out_of_memory=True))
     with pytest.raises(TransportError, match="device error while saving 1 block"):
         oom.save(store, [("devio/f/oom", 1)])
-    assert not store.exists("devio/f/oom")
+    assert not store.exists("devio/f/oom")  # the reservation was aborted
     result = oom.load(store, [("devio/f/1", 4), ("devio/f/1", 5)])
     assert (result.loaded, result.failed_blocks) == (0, (4, 5))  # vLLM recomputes them; nothing raised
 
