@@ -230,6 +230,16 @@ class UnsupportedKVCacheError(KVStoreError, ValueError):
     code = "UnsupportedKVCache"
 
 
+class DeviceCopyError(KVStoreError):
+    """A CUDA error (a device fault, out of memory) while moving blocks between device memory and the store.
+
+    Rolled back: a save's reservation is aborted (nothing visible); a load's blocks are reported as failed.
+    Retrying can help once the device has memory again; a faulted device needs the engine restarted anyway.
+    """
+
+    code = "DeviceCopy"
+
+
 class HandoffTimeoutError(KVStoreError, TimeoutError):
     """A hand-off fetch waited longer than its timeout for the producer to publish.
 

@@ -12,8 +12,8 @@ for ours before the forward pass reads the blocks. Over ``tcp`` the views are st
 
 The device is a small :class:`Device` object, so that tests drive this path on machines without a GPU
 (``tests/helpers/fake_cuda.py``: host memory posing as device memory). A device fault or an out-of-memory error
-during a save raises TransportError (the worker drops the save, counted, nothing committed); during a load it
-fails the chunk's blocks (vLLM recomputes them). Neither stops the engine.
+during a save raises DeviceCopyError (the worker drops the save, counted, nothing committed; it is no store
+fault); during a load it fails the chunk's blocks (vLLM recomputes them). Neither stops the engine.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from kvstore import ops
 from kvstore.client.store import KVStore
 from kvstore.core.digest import checksum_of
-from kvstore.errors import ChecksumError, KeyNotFoundError, KVStoreError, StoreConnectionError, TransportError
+from kvstore.errors import ChecksumError, DeviceCopyError, KeyNotFoundError, KVStoreError, StoreConnectionError
 from kvstore.layout import KVLayout, dtype_name
 
 DEVICE_ERRORS = (RuntimeError, torch.OutOfMemoryError)  # CUDA errors surface as RuntimeError in torch
@@ -141,7 +141,7 @@ class DeviceBlocks:
             del views
         except DEVICE_ERRORS as exc:
             batch.abort()
-            raise TransportError(f"device error while saving {len(keys)} block(s): {exc}") from None
+            raise DeviceCopyError(f"device error while saving {len(keys)} block(s): {exc}") from None
         except BaseException:
             batch.abort()
             raise
@@ -149,12 +149,12 @@ class DeviceBlocks:
 
     def pack(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A new device buffer holding the blocks (the asynchronous saver's copy), gathered on our stream."""
-        try:
-            with self.device.on_stream(after_engine=True, before_engine=False):
+        try:  # the engine's later kernels wait for the gather: vLLM may reuse these blocks once we return
+            with self.device.on_stream(after_engine=True, before_engine=True):
                 packed = self.device.empty(ops.packed_shape(self.layout, len(block_ids)), self.layout.dtype)
                 return ops.gather_pages(self.pages, self.device.ids(block_ids), packed, layout=self.layout)
         except DEVICE_ERRORS as exc:
-            raise TransportError(f"device error while packing {len(block_ids)} block(s): {exc}") from None
+            raise DeviceCopyError(f"device error while packing {len(block_ids)} block(s): {exc}") from None
 
     def put_packed(self, store: KVStore, keys: Sequence[str], packed: torch.Tensor, ttl: float | None) -> int:
         """Store the blocks of ``packed`` (from :meth:`pack`, on our stream) under ``keys``."""
@@ -170,19 +170,20 @@ class DeviceBlocks:
             chunk = items[start:start + self.chunk]
             leased: list[Any] = []
             good: list[tuple[int, memoryview]] = []
+            loaded = 0
             try:
                 with self.device.on_stream(after_engine=True, before_engine=True):
                     good = self._lease(store, chunk, verify, result, failed, items[start:], leased)
                     self._load_chunk(store, chunk, good)
+                loaded = len(good)
             except DEVICE_ERRORS:
                 failed.extend(b for _, b in chunk if b not in failed)
-                good = []
             finally:
                 for _, view in good:
                     view.release()
                 for obj in leased:
                     obj.release()
-            result.loaded += len(good)
+            result.loaded += loaded
             if result.connection_lost:
                 break
         return failed

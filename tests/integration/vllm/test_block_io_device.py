@@ -15,9 +15,11 @@ torch = pytest.importorskip("torch")
 import fake_cuda  # noqa: E402
 
 import kvstore  # noqa: E402
-from kvstore.errors import TransportError  # noqa: E402
+from kvstore.errors import DeviceCopyError  # noqa: E402
 from kvstore.integrations.vllm.block_io import BlockIO  # noqa: E402
 from kvstore.integrations.vllm.keys import CacheLayout  # noqa: E402
+from kvstore.integrations.vllm.saver import AsyncSaver  # noqa: E402
+from kvstore.integrations.vllm.store_link import StoreLink  # noqa: E402
 
 L, NB, H, N, D = 3, 12, 2, 16, 64
 
@@ -139,11 +141,27 @@ def test_a_missing_block_fails_alone_and_device_faults_fail_the_request(store):
     result = BlockIO(dst, layout, device=FakeDevice()).load(store, [("devio/f/1", 2), ("devio/f/none", 3)])
     assert (result.loaded, result.failed_blocks, result.missing) == (1, (3,), 1)
     oom = BlockIO(dst, layout, device=FakeDevice(out_of_memory=True))
-    with pytest.raises(TransportError, match="device error while saving 1 block"):
+    with pytest.raises(DeviceCopyError, match="device error while saving 1 block"):
         oom.save(store, [("devio/f/oom", 1)])
     assert not store.exists("devio/f/oom")  # the reservation was aborted
     result = oom.load(store, [("devio/f/1", 4), ("devio/f/1", 5)])
     assert (result.loaded, result.failed_blocks) == (0, (4, 5))  # vLLM recomputes them; nothing raised
+    with pytest.raises(DeviceCopyError, match="packing 1 block"):
+        oom.pack([1])
+
+
+def test_asynchronous_saver_drops_a_save_whose_device_copy_fails(daemon):
+    """The saver counts a failed device gather as a dropped save; the engine's step goes on."""
+    _, src, layout = vllm_caches("BLHNC", 12)
+    counts: dict[str, float] = {}
+    link = StoreLink(daemon.unix_url, timeout=5.0, retry_s=1.0, name="test", transport="shm")
+    saver = AsyncSaver(BlockIO(src, layout, device=FakeDevice(out_of_memory=True)), link,
+                       lambda **d: counts.update({k: counts.get(k, 0) + v for k, v in d.items()}), ttl=None)
+    try:
+        saver.submit([("devio/s/1", 1), ("devio/s/2", 2)])
+        assert saver.drain(10.0) and counts == {"dropped_saves": 2}
+    finally:
+        saver.close(5.0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
