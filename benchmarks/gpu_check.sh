@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine check (offline, <= 8 min on one H200; each check has its own time cap): build the CUDA extension
 # for sm_90, run the CUDA tests, then measure, each against its physical baseline in the same run:
-#   bench_pages_cuda   gather/scatter of paged KV (vLLM 0.32 NHC pages)  vs  a device-to-device copy
+#   bench_pages        gather/scatter of paged KV (vLLM 0.32 HNC pages)  vs  a device-to-device copy
 #   bench_cuda_ipc     put/get_into of CUDA tensors: D2H/H2D through the daemon's registered shared memory
 #                      vs cudaMemcpy pinned<->device; cuda_ipc (client -> daemon process) vs a raw D2D copy
 #   bench_block_io     the vLLM connector's block I/O on synthetic vLLM-shaped CUDA caches (no vLLM needed)
@@ -117,7 +117,7 @@ cuda_ipc_tests() {  # real daemons: cuda_ipc between processes, GPU segments, de
 bench_pages() {  # gather/scatter vs a device-to-device copy of the same bytes
     local dev=cuda extra=(--blocks 16,256,2048 --iters 20)
     [ "$DRY" = 1 ] && dev=cpu extra=(--blocks 1,16 --iters 3 --layers 4)
-    "$PY" -m benchmarks.bench_pages --device "$dev" --kind vllm_nhc "${extra[@]}" --json "$LOG_DIR/bench_pages.json" \
+    "$PY" -m benchmarks.bench_pages --device "$dev" --kind vllm_hnc "${extra[@]}" --json "$LOG_DIR/bench_pages.json" \
         || return 1
     "$PY" - "$LOG_DIR/bench_pages.json" >"$SUMMARY" <<'EOF'
 import json, sys
