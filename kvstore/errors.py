@@ -222,6 +222,26 @@ class LayoutMismatchError(KVStoreError, ValueError):
     code = "LayoutMismatch"
 
 
+class UnsupportedKVCacheError(KVStoreError, ValueError):
+    """An engine's KV cache has a layout, dtype, platform or cache type kvstore cannot move; the message names
+    what was found and what is supported. Raised when the cache is registered, before any byte is copied.
+
+    Nothing was started. Retrying cannot help: change the engine's configuration (or use it without kvstore).
+    """
+
+    code = "UnsupportedKVCache"
+
+
+class DeviceCopyError(KVStoreError):
+    """A CUDA error (a device fault, out of memory) while moving blocks between device memory and the store.
+
+    Rolled back: a save's reservation is aborted (nothing visible); a load's blocks are reported as failed.
+    Retrying can help once the device has memory again; a faulted device needs the engine restarted anyway.
+    """
+
+    code = "DeviceCopy"
+
+
 class HandoffTimeoutError(KVStoreError, TimeoutError):
     """A hand-off fetch waited longer than its timeout for the producer to publish.
 

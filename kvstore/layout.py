@@ -21,12 +21,14 @@ from typing import Any
 FINGERPRINT_VERSION = 1
 
 # Dimension names used to describe tensors: "kv" (0 = K, 1 = V), "block", "token" (slot within a block),
-# "head", "dim" (within a head) and "latent" (MLA's compressed per-token vector).
+# "head", "dim" (within a head), "latent" (MLA's compressed per-token vector) and "content" (vLLM >= 0.32: one
+# head's K then V for one token, 2 * head_dim elements).
 _FLASH_DIMS = ("kv", "block", "token", "head", "dim")
 _FLASHINFER_NHD_DIMS = ("block", "kv", "token", "head", "dim")
 _FLASHINFER_HND_DIMS = ("block", "kv", "head", "token", "dim")
 _NHD_BLOCK = ("kv", "token", "head", "dim")
 _HND_BLOCK = ("kv", "head", "token", "dim")
+_VLLM_PAGE_DIMS = ("block", "head", "token", "content")
 
 
 class KVLayoutKind(enum.Enum):
@@ -46,6 +48,11 @@ class KVLayoutKind(enum.Enum):
     FLASHINFER_HND = "flashinfer_hnd"
     #: Multi-head latent attention, tensor ``[num_blocks, block_size, latent_dim]`` (one latent per token).
     MLA = "mla"
+    #: vLLM >= 0.32 attention (every backend), tensor ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``
+    #: (K then V in the last dim), head-major memory (vLLM's ``LBHNC``, ``BLHNC``, ``LHBNC``, ``BHLNC``).
+    VLLM_HNC = "vllm_hnc"
+    #: The same logical tensor in token-major memory (vLLM's ``LBNHC``, ``BLNHC``): pages packed ``[B, H, 2D]``.
+    VLLM_NHC = "vllm_nhc"
 
     @classmethod
     def parse(cls, value: KVLayoutKind | str) -> KVLayoutKind:
@@ -76,6 +83,8 @@ _CACHE_DIMS = {
     KVLayoutKind.FLASHINFER: _FLASHINFER_NHD_DIMS,
     KVLayoutKind.FLASHINFER_HND: _FLASHINFER_HND_DIMS,
     KVLayoutKind.MLA: ("block", "token", "latent"),
+    KVLayoutKind.VLLM_HNC: _VLLM_PAGE_DIMS,
+    KVLayoutKind.VLLM_NHC: _VLLM_PAGE_DIMS,
 }
 # The packed order of a block is the memory order the layout is designed around, so that a block of a
 # cache in that order is one contiguous run per K/V (or one run in all) and packs with plain memcpy.
@@ -85,6 +94,8 @@ _BLOCK_DIMS = {
     KVLayoutKind.FLASHINFER: _NHD_BLOCK,
     KVLayoutKind.FLASHINFER_HND: _HND_BLOCK,
     KVLayoutKind.MLA: ("token", "latent"),
+    KVLayoutKind.VLLM_HNC: ("head", "token", "content"),
+    KVLayoutKind.VLLM_NHC: ("token", "head", "content"),
 }
 
 # Wire name -> torch dtype attribute. float8 caches are moved as raw bytes.
@@ -173,7 +184,7 @@ class KVLayout:
     def dim_sizes(self, num_blocks: int) -> dict[str, int]:
         """Size of every named dimension for a cache of ``num_blocks`` blocks."""
         return {"kv": 2, "block": num_blocks, "token": self.block_size, "head": self.num_kv_heads,
-                "dim": self.head_dim, "latent": self.head_dim}
+                "dim": self.head_dim, "latent": self.head_dim, "content": 2 * self.head_dim}
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor holding ``num_blocks`` blocks."""

@@ -139,6 +139,11 @@ class DirectDeviceMemory:
             raise TransportError(f"get of {key!r} failed on the {self._transport} path: {exc}") from None
         return reply["size"], reply["meta"]["checksum"]
 
+    def pin_host(self, runtime: Any, address: int, length: int) -> bool:
+        """Page-lock the store memory at ``address`` (a reserved or leased view of this client) for copies
+        the caller enqueues itself; True if it is pinned (once per segment; unpinned at close)."""
+        return self.path.pin_address(runtime, address, length)
+
     def close(self) -> None:
         """Unpin what the path pinned; call before the transport unmaps the shared memory."""
         if self._owned:

@@ -314,8 +314,8 @@ class RemoteStore(KVStore):
             # no round trip, so check the daemon's life here: a dead daemon's index must never answer
             self._conn.check_alive()
             hit = self._index.read_into(key, fit)
-            if hit is not None:
-                return hit[0], hit[2]
+            if hit is not None:  # the index keeps "no checksum" (objects put from device memory) as 0
+                return hit[0], hit[2] or None
         reply = self._read(key, lambda r: fit(r["meta"]["size"]), self._data)
         meta = reply["meta"]
         if not reply.get("stream"):

@@ -146,6 +146,17 @@ class ShmDevicePath:
         finally:
             view.release()
 
+    def pin_address(self, runtime: CudaRuntime, address: int, length: int) -> bool:
+        """Page-lock the mapped segment holding ``[address, +length)`` (once per segment, as device copies do);
+        True if it is pinned. For callers that copy into reserved or leased views themselves."""
+        for segment, seg in list(self._shm._maps.items()):
+            base = address_of(seg.buf)
+            if base <= address and address + length <= base + seg.size:
+                if segment not in self._pinned and segment not in self._unpinned:
+                    self._pin(runtime, segment)
+                return segment in self._pinned
+        return False
+
     def _pin(self, runtime: CudaRuntime, segment: int) -> None:
         with self._lock:
             if segment in self._pinned or segment in self._unpinned:
@@ -188,6 +199,9 @@ class CudaIpcTransport(ShmTransport):
 
     def describe(self) -> str:
         return f"cuda_ipc: {len(self._mapped)} GPU segment(s) mapped by CUDA IPC; {self._host.describe()}"
+
+    def pin_address(self, runtime: CudaRuntime, address: int, length: int) -> bool:
+        return self._host.pin_address(runtime, address, length)
 
     # ---- device buffers -----------------------------------------------------------------------------
     def put_device(self, channel: Channel, request: dict, src: DeviceBuffer,

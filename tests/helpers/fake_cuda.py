@@ -113,3 +113,27 @@ def copy_and_wait(dst: int, src: int, nbytes: int, device: int, stream: int) -> 
     _device(device)
     calls["copy_and_wait"] += 1
     ctypes.memmove(dst, src, nbytes)
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, device: int, stream: int) -> None:
+    _device(device)
+    calls["memcpy_async"] += 1
+    ctypes.memmove(dst, src, nbytes)  # the fake has no streams: done at once, in enqueue order
+
+
+def event_create(device: int) -> int:
+    _device(device)
+    calls["event_create"] += 1
+    return next(_ids) + 1
+
+
+def event_record(event: int, device: int, stream: int) -> None:
+    calls["event_record"] += 1
+
+
+def event_synchronize(event: int) -> None:
+    calls["event_synchronize"] += 1
+
+
+def event_destroy(event: int) -> None:
+    calls["event_destroy"] += 1

@@ -40,13 +40,17 @@ def alloc_cache(layout: KVLayout, num_blocks: int, device="cpu", fill=None, gen=
         KVLayoutKind.FLASHINFER: (num_blocks, 2, bs, h, d),
         KVLayoutKind.FLASHINFER_HND: (num_blocks, 2, h, bs, d),
         KVLayoutKind.MLA: (num_blocks, bs, d),
+        KVLayoutKind.VLLM_HNC: (num_blocks, h, bs, 2 * d),
+        KVLayoutKind.VLLM_NHC: (num_blocks, bs, h, 2 * d),  # token-major memory under the [N, H, B, C] view
     }[layout.kind]
     if fill is None:
         t = random_bytes(physical, layout.dtype, gen, device)
     else:
         raw_shape = (*physical[:-1], physical[-1] * layout.itemsize)
         t = torch.full(raw_shape, fill, dtype=torch.uint8, device=device).view(layout.dtype)
-    return t.transpose(2, 3) if layout.kind is KVLayoutKind.VLLM_FLASH_HND else t
+    if layout.kind is KVLayoutKind.VLLM_FLASH_HND:
+        return t.transpose(2, 3)
+    return t.transpose(1, 2) if layout.kind is KVLayoutKind.VLLM_NHC else t
 
 
 def make_caches(layout: KVLayout, num_blocks: int, gen, device="cpu", fill=None) -> list[torch.Tensor]:
@@ -60,7 +64,9 @@ def reference_block_views(kind: KVLayoutKind, cache: torch.Tensor, ids: torch.Te
         return cache.index_select(1, ids).permute(1, 0, 2, 3, 4)
     if kind is KVLayoutKind.VLLM_FLASH_HND:
         return cache.index_select(1, ids).permute(1, 0, 3, 2, 4)
-    return cache.index_select(0, ids)  # FlashInfer (both) and MLA keep the block dim first
+    if kind is KVLayoutKind.VLLM_NHC:  # logical [N, H, B, C], packed [B, H, C]
+        return cache.index_select(0, ids).permute(0, 2, 1, 3)
+    return cache.index_select(0, ids)  # FlashInfer (both), MLA and VLLM_HNC keep the block dim first
 
 
 def reference_gather(kind: KVLayoutKind, caches, ids) -> torch.Tensor:
@@ -77,6 +83,8 @@ def reference_scatter(kind: KVLayoutKind, src: torch.Tensor, ids: torch.Tensor, 
             cache.index_copy_(1, ids, blocks.permute(1, 0, 2, 3, 4))
         elif kind is KVLayoutKind.VLLM_FLASH_HND:
             cache.index_copy_(1, ids, blocks.permute(1, 0, 3, 2, 4))
+        elif kind is KVLayoutKind.VLLM_NHC:
+            cache.index_copy_(0, ids, blocks.permute(0, 2, 1, 3))
         else:
             cache.index_copy_(0, ids, blocks)
 

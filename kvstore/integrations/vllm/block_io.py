@@ -13,9 +13,9 @@ The paths, on a same-host daemon:
   of the store's memory (checksum verified first): one copy and one round trip a block.
 - load, smaller blocks: ``get_into`` through the daemon's shared-memory index (no round trip) into a staging
   buffer (verified), then ``scatter_pages``: two copies, where a round trip would cost more than the copy.
-A CPU-backend page ``[num_kv_heads, block_size, 2 * head_size]`` is contiguous, so it is packed with the
-kernel of a block-major layout whose page has the same element count (a memcpy per page). Every path stores
-the same bytes: one block, every layer, block-major.
+Pages are packed as the layout's kind (``VLLM_HNC``, ``VLLM_NHC`` or ``MLA``, see :mod:`.cache_layouts`), in
+the order the cache's memory holds them (a memcpy per page on block-compact layouts). Every path stores the same
+bytes: one block, every layer, block-major. Device (CUDA) caches go through :mod:`.device_io`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ import torch
 
 from kvstore import ops
 from kvstore.client.store import KVStore
-from kvstore.errors import ChecksumError, KeyNotFoundError, KVStoreError, StoreConnectionError
+from kvstore.errors import ChecksumError, KeyNotFoundError, KVStoreError, StoreConnectionError, UnsupportedKVCacheError
+from kvstore.integrations.vllm.cache_layouts import PageGeometry, geometry_of
+from kvstore.integrations.vllm.device_io import CudaDevice, Device, DeviceBlocks
 from kvstore.integrations.vllm.keys import CacheLayout
-from kvstore.layout import KVLayout, KVLayoutKind
+from kvstore.layout import KVLayoutKind
 
 STAGING_BYTES = 64 << 20  # blocks are moved in chunks of at most this many bytes (at least one block)
 # At ~5 GB/s a round trip of 50-400 us costs as much as copying 0.25-2 MB: above this, a lease beats a copy.
@@ -52,37 +54,41 @@ class BlockIO:
     """Saves and loads blocks of ``caches`` (one tensor per layer, in the layout's layer order)."""
 
     def __init__(self, caches: Sequence[torch.Tensor], layout: CacheLayout, *, verify: bool = True,
-                 leased_loads: bool | None = None):
+                 leased_loads: bool | None = None, device: Device | None = None):
         self.layout = layout
         self.verify = verify
         self.leased_loads = layout.block_nbytes >= LEASED_LOAD_MIN if leased_loads is None else leased_loads
-        self._pages = [self._page_view(t, layout) for t in caches]
+        self._geometry = geometry_of(layout)
+        self._pages = [self._page_view(t, layout, self._geometry) for t in caches]
         if len(self._pages) != layout.num_layers:
             raise ValueError(f"expected {layout.num_layers} layer caches, got {len(self._pages)}")
         self.num_blocks = caches[0].shape[0]
-        # The page kernels see each page as one contiguous run: a block-major layout with pages of the
-        # same element count (see the module docstring).
-        heads, block_size, width = layout.page_shape
-        self._kernel_layout = KVLayout(KVLayoutKind.FLASHINFER_HND, num_layers=layout.num_layers,
-                                       num_kv_heads=heads, head_dim=width // 2, block_size=block_size,
-                                       dtype=caches[0].dtype, model_id=layout.model)
+        self._kernel_layout = self._geometry.kernel_layout(layout.num_layers, layout.model)
         self._chunk = max(1, STAGING_BYTES // layout.block_nbytes)
         self._staging: torch.Tensor | None = None
+        # Device caches (or a stand-in device in tests) take the device path: gather on the device, one copy
+        # per block into the store's memory (kvstore.integrations.vllm.device_io).
+        if device is None and caches[0].device.type == "cuda":
+            device = CudaDevice(caches[0].device)
+        self.device = None if device is None else DeviceBlocks(self._pages, self._kernel_layout, self._chunk, device)
 
     @staticmethod
-    def _page_view(cache: torch.Tensor, layout: CacheLayout) -> torch.Tensor:
-        if cache.device.type != "cpu":
-            raise NotImplementedError(f"kvstore's vLLM connector moves CPU caches only, got {cache.device}")
-        if tuple(cache.shape[1:]) != layout.page_shape:
-            raise ValueError(f"KV cache page shape {tuple(cache.shape[1:])} differs from the expected "
-                             f"{layout.page_shape} of {layout.backend}")
+    def _page_view(cache: torch.Tensor, layout: CacheLayout, geometry: PageGeometry) -> torch.Tensor:
+        """vLLM's per-layer ``[B, H, N, C]`` view as the page kernels' cache tensor of ``geometry.kind``
+        (any strides: interleaved layers and head-outer layouts copy in shorter runs)."""
+        if cache.device.type not in ("cpu", "cuda"):
+            raise UnsupportedKVCacheError(f"kvstore's vLLM connector moves CPU and CUDA caches, got {cache.device}")
         if str(cache.dtype).removeprefix("torch.") != layout.dtype:
-            raise ValueError(f"KV cache dtype {cache.dtype} differs from the expected {layout.dtype}")
-        if not cache.is_contiguous():
-            raise ValueError(f"KV cache of shape {tuple(cache.shape)} with strides {cache.stride()} is not "
-                             "block-contiguous")
-        heads, block_size, width = layout.page_shape
-        return cache.view(cache.shape[0], 2, heads, block_size, width // 2)
+            raise UnsupportedKVCacheError(f"KV cache dtype {cache.dtype} differs from the expected {layout.dtype} "
+                                          f"of {layout.backend}")
+        shape = tuple(cache.shape[1:])
+        if shape != geometry.view_shape:
+            raise UnsupportedKVCacheError(f"KV cache of shape {tuple(cache.shape)}: expected [num_blocks, "
+                                          f"{', '.join(map(str, geometry.view_shape))}] (blocks, heads, tokens, "
+                                          f"content) for {layout.backend} {geometry.kind.value}")
+        if geometry.kind is KVLayoutKind.MLA:
+            cache = cache.squeeze(1)
+        return cache.view(torch.float8_e4m3fn) if cache.dtype == torch.uint8 else cache
 
     def _buffer(self, n: int) -> torch.Tensor:
         shape = ops.packed_shape(self._kernel_layout, n)
@@ -103,6 +109,8 @@ class BlockIO:
 
         Each chunk is one ``batch_put`` (all or nothing). Raises the store's errors (the caller decides
         what a failure means); a chunk already written stays written."""
+        if self.device is not None:
+            return self.device.save(store, items, ttl)
         written = 0
         for start in range(0, len(items), self._chunk):
             chunk = items[start:start + self._chunk]
@@ -113,11 +121,15 @@ class BlockIO:
 
     def pack(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A new buffer holding blocks ``block_ids`` (every layer), block-major: the cache may be reused at once."""
+        if self.device is not None:
+            return self.device.pack(block_ids)
         packed = torch.empty(ops.packed_shape(self._kernel_layout, len(block_ids)), dtype=self._kernel_layout.dtype)
         return ops.gather_pages(self._pages, self._ids(block_ids), packed, layout=self._kernel_layout)
 
     def put_packed(self, store: KVStore, keys: Sequence[str], packed: torch.Tensor, ttl: float | None = None) -> int:
         """``batch_put`` the blocks of ``packed`` (from :meth:`pack`) under ``keys``; returns the bytes written."""
+        if self.device is not None:
+            return self.device.put_packed(store, keys, packed, ttl)
         store.batch_put([(key, packed[i:i + 1]) for i, key in enumerate(keys)], ttl=ttl)
         return len(keys) * self.layout.block_nbytes
 
@@ -128,8 +140,11 @@ class BlockIO:
         it). A lost connection (``connection_lost``) fails the remaining blocks too."""
         result = LoadResult()
         start_time = time.perf_counter()
-        load = self._load_leased if self.leased_loads else self._load_staged
-        failed = load(store, items, result)
+        if self.device is not None:
+            failed = self.device.load(store, items, self.verify, result)
+        else:
+            load = self._load_leased if self.leased_loads else self._load_staged
+            failed = load(store, items, result)
         result.failed_blocks = tuple(failed)
         result.nbytes = result.loaded * self.layout.block_nbytes
         result.seconds = time.perf_counter() - start_time

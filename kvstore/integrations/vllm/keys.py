@@ -21,10 +21,14 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.errors import UnsupportedKVCacheError
+from kvstore.integrations.vllm.cache_layouts import LAYOUT_KINDS, check_platform, page_geometry
+
 # Bumped whenever the packed block format or the key derivation changes.
-KEY_VERSION = 1
+KEY_VERSION = 2  # 2: the packed kind (KVLayoutKind) joined the layout
 KEY_PREFIX = "vllm"
 _PERSON = b"kvstore.vllm"
+SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,7 +36,8 @@ class CacheLayout:
     """What two vLLM instances must agree on for one saved block to be valid in the other.
 
     ``packing`` is the attention kernel's in-page order of K and V (for the CPU backend its ISA: ``amx``,
-    ``vec``, ``vec16``, ``neon``...); ``page_shape`` is one block of one layer as the cache tensor holds it.
+    ``vec``, ``vec16``, ``neon``...); ``kind`` the :class:`~kvstore.layout.KVLayoutKind` a page is packed as
+    and ``page_shape`` its shape in that order (see :mod:`~kvstore.integrations.vllm.cache_layouts`).
     """
 
     backend: str
@@ -51,6 +56,7 @@ class CacheLayout:
     tp_size: int
     pp_rank: int = 0
     lora: str = ""
+    kind: str = "vllm_hnc"  # the KVLayoutKind the pages are packed as (kvstore.layout)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -59,7 +65,7 @@ class CacheLayout:
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}.get(self.dtype, 1)
+        return {"float32": 4, "float16": 2, "bfloat16": 2}.get(self.dtype, 1)  # float8 and uint8: 1
 
     @property
     def page_nbytes(self) -> int:
@@ -115,29 +121,70 @@ def layout_from_vllm_config(vllm_config: Any, kv_cache_config: Any, tp_rank: int
     """The :class:`CacheLayout` of TP rank ``tp_rank`` for ``vllm_config`` (same answer in scheduler and
     worker, so the scheduler can look up every rank's keys).
 
-    Supports the CPU attention backend (``CPU_ATTN``, per layer ``[num_blocks, num_kv_heads, block_size,
-    2 * head_size]``); other platforms raise NotImplementedError naming what was found."""
+    CPU and CUDA platforms, one attention (or MLA) cache group, any of vLLM's KV-cache layouts (see
+    :mod:`~kvstore.integrations.vllm.cache_layouts`); anything else raises UnsupportedKVCacheError naming
+    what was found and what is supported, before anything is registered or copied."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        raise NotImplementedError(f"kvstore's vLLM connector supports the CPU attention backend only; this "
-                                  f"platform is {current_platform.device_type!r}")
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
-
+    check_platform(str(current_platform.device_type))
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise NotImplementedError(f"kvstore's vLLM connector supports one KV-cache group, got {len(groups)}")
+        raise UnsupportedKVCacheError(f"kvstore's vLLM connector supports one KV-cache group, got {len(groups)}")
     spec = groups[0].kv_cache_spec
+    _check_spec(spec)
     cache = vllm_config.cache_config
     model = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    dtype = str(spec.dtype).removeprefix("torch.")
-    packing = _get_attn_isa(model.dtype, spec.block_size, spec.head_size, cache.cache_dtype)
+    geometry = page_geometry(
+        _resolved_layout(kv_cache_config, cache, current_platform.is_cpu()), mla=_is_mla(spec),
+        heads=spec.num_heads, tokens=spec.block_size, content_bytes=spec.state_content_size_bytes,
+        dtype=str(spec.dtype).removeprefix("torch."), itemsize=spec.dtype.itemsize)
+    backend, packing = _backend_and_packing(vllm_config, spec, current_platform.is_cpu())
     return CacheLayout(
-        backend=CPUAttentionBackend.get_name(), packing=packing,
-        cache_layout=str(getattr(kv_cache_config, "kv_cache_layout", "")), dtype=dtype,
+        backend=backend, packing=packing,
+        # Not vLLM's physical layout name: pages are packed as the kind, so LBNHC and BLNHC engines share blocks.
+        cache_layout="", dtype=geometry.dtype,
         kv_cache_dtype=str(cache.cache_dtype), block_size=spec.block_size, num_layers=len(groups[0].layer_names),
-        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-        page_shape=(spec.num_kv_heads, spec.block_size, 2 * spec.head_size),
+        num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, page_shape=geometry.page_shape,
         model=str(model.model), revision=str(model.revision or ""), tp_rank=tp_rank,
-        tp_size=parallel.tensor_parallel_size, pp_rank=0)
+        tp_size=vllm_config.parallel_config.tensor_parallel_size, pp_rank=0, kind=geometry.kind.value)
+
+
+def _is_mla(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return isinstance(spec, MLAAttentionSpec)
+
+
+def _check_spec(spec: Any) -> None:
+    """Full attention or MLA, one state per token: what a block of tokens maps onto one to one."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if type(spec).__name__ not in SUPPORTED_SPECS or not isinstance(spec, FullAttentionSpec):
+        raise UnsupportedKVCacheError(f"kvstore's vLLM connector moves {' and '.join(SUPPORTED_SPECS)} caches; "
+                                      f"this model's cache is {type(spec).__name__}")
+    if spec.tokens_per_state != 1:
+        raise UnsupportedKVCacheError(f"KV cache with {spec.tokens_per_state} tokens per stored state; expected 1")
+
+
+def _resolved_layout(kv_cache_config: Any, cache_config: Any, on_cpu: bool) -> str:
+    """The layout the engine core resolved (``KVCacheConfig.kv_cache_layout``, else ``CacheConfig``'s)."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cache_config, "kv_cache_layout", None)
+    if name:
+        return str(name)
+    if on_cpu:
+        return "LBHNC"  # the CPU backend's only layout
+    raise UnsupportedKVCacheError("vLLM has not resolved the KV cache layout (KVCacheConfig.kv_cache_layout is "
+                                  "unset); expected one of " + ", ".join(LAYOUT_KINDS))
+
+
+def _backend_and_packing(vllm_config: Any, spec: Any, on_cpu: bool) -> tuple[str, str]:
+    """The CPU backend keeps K and V in an ISA-specific order inside a page (``packing``); on CUDA every
+    backend writes the plain ``[K | V]`` content, so only an explicitly chosen backend is recorded."""
+    if on_cpu:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+
+        isa = _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, spec.head_size,
+                            vllm_config.cache_config.cache_dtype)
+        return CPUAttentionBackend.get_name(), isa
+    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return f"CUDA/{getattr(chosen, 'name', chosen) or 'auto'}", "kv-content"

@@ -45,6 +45,11 @@ class AsyncSaver:
             self._pending_bytes += nbytes
         try:
             packed = self.io.pack([b for _, b in items])
+        except KVStoreError:  # a device error while packing CUDA blocks: this save is dropped, the engine goes on
+            with self._idle:
+                self._pending_bytes -= nbytes
+            self._count(dropped_saves=len(items))
+            return
         except BaseException:
             with self._idle:
                 self._pending_bytes -= nbytes

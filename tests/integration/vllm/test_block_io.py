@@ -14,6 +14,7 @@ from test_keys import LAYOUT  # noqa: E402
 from vllm_runner import flip_bytes, segment_address  # noqa: E402
 
 import kvstore  # noqa: E402
+from kvstore.errors import UnsupportedKVCacheError  # noqa: E402
 from kvstore.integrations.vllm.block_io import BlockIO  # noqa: E402
 from kvstore.integrations.vllm.store_link import StoreLink, StoreUnavailable  # noqa: E402
 
@@ -86,10 +87,12 @@ def test_block_damaged_after_commit_fails_its_checksum(daemon, transport, leased
 
 def test_cache_of_another_geometry_is_refused():
     whole = torch.zeros((NUM_BLOCKS, 2, 4, 64), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="page shape"):
+    with pytest.raises(UnsupportedKVCacheError, match=r"expected \[num_blocks, 2, 4, 128\]"):
         BlockIO([whole, whole], LAYOUT)
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(UnsupportedKVCacheError, match="dtype torch.float32 differs from the expected bfloat16"):
         BlockIO([torch.zeros((NUM_BLOCKS, *LAYOUT.page_shape))] * 2, LAYOUT)
+    with pytest.raises(UnsupportedKVCacheError, match="moves CPU and CUDA caches, got meta"):
+        BlockIO([torch.zeros((NUM_BLOCKS, *LAYOUT.page_shape), dtype=torch.bfloat16, device="meta")] * 2, LAYOUT)
 
 
 @pytest.mark.parametrize("leased", [False, True], ids=["staged", "leased"])
