@@ -352,8 +352,9 @@ class Server:
             raise TransportError(f"transport {requested!r} is not served here; this daemon serves "
                                  f"{list(served)}{_SERVE_HINTS.get(requested, '')}")
         if requested in SAME_HOST_ONLY and not same_host:
+            where = client_host or "a host (or in a process) the daemon cannot verify"
             raise TransportError(f"transport {requested!r} needs the client on the daemon's host ({self.host_id}); "
-                                 f"client {peer} is on {client_host or 'an unknown host'}")
+                                 f"client {peer} is on {where}")
         return requested
 
     def session_closed(self, session: Session) -> None:

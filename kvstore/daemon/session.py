@@ -25,7 +25,7 @@ from kvstore.daemon.arena_ops import ArenaOps
 from kvstore.daemon.disk_ops import DiskOps
 from kvstore.daemon.gpu_ops import GpuOps
 from kvstore.daemon.guards import PeerGone, SessionGuards
-from kvstore.daemon.quarantine import MAPS_MEMORY, PidWatch, peer_cred
+from kvstore.daemon.quarantine import MAPS_MEMORY, PidWatch, peer_cred, tcp_peer_cred
 from kvstore.daemon.ucx_ops import UcxOps
 from kvstore.errors import (
     AuthenticationError,
@@ -277,11 +277,15 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
         if server.config.token is not None and not hmac.compare_digest(
                 (f["token"] or "").encode(), server.config.token.encode()):
             raise AuthenticationError("wrong or missing token")
-        self.transport = server.choose_transport(f["transport"], f["host"], self.peer, f["transports"])
-        self.client_host = f["host"]
+        host = await self._verified_host(f["host"])
+        transport = server.choose_transport(f["transport"], host, self.peer, f["transports"])
+        if self.client is not None and transport != self.transport:  # the watch below is set up once, at the first
+            raise InvalidArgumentError(f"a second hello cannot switch this connection from {self.transport} to "
+                                       f"{transport}; open a new connection")
+        self.transport, self.client_host = transport, host
         if self.client is None:
             self.cancel_auth_deadline()
-            if self.transport in MAPS_MEMORY and self.cred is not None and self.cred.pid is not None:
+            if self.transport in MAPS_MEMORY:  # _verified_host made sure the pid is known
                 self._watch = PidWatch(self.cred.pid)  # watched from now: a recycled pid is never mistaken for it
             self.client = server.master.register_client(f["client"])
             if len(self._buf) < _BUFFER:  # authenticated: the full-size buffer
@@ -294,6 +298,16 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
                         heartbeat_s=server.config.heartbeat_timeout, pid=server.pid, generation=server.generation,
                         arena_bytes=server.config.arena_size if self.transport in ("shm", "cuda_ipc") else 0,
                         transports=list(server.served_transports))
+
+    async def _verified_host(self, claimed: str) -> str:
+        """The client's host as far as the daemon can tell: a claim to be on the daemon's own host counts only
+        once the client's process is known (SO_PEERCRED, or the TCP peer found in /proc), because a client that
+        maps the segments must be watched for its quarantine to end; otherwise "" (a remote client)."""
+        if claimed != self.ctx.host_id:
+            return claimed
+        if self.cred is None and self.sock.family != socket.AF_UNIX:
+            self.cred = await self.loop.run_in_executor(None, tcp_peer_cred, self.sock)
+        return claimed if self.cred is not None and self.cred.pid is not None else ""
 
     async def op_ping(self, rid: int, f: dict) -> dict:
         return self._ok(rid)
