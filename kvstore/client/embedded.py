@@ -134,7 +134,10 @@ class EmbeddedStore(KVStore):
         except KeyNotFoundError:
             if self._disk is None or not self._promote(key, force=False):
                 return self._disk_get_into(key, fit)
-            lease_id, replica = self._acquire(key)
+            try:
+                lease_id, replica = self._acquire(key)
+            except KeyNotFoundError:  # its promotion was abandoned (removed or replaced meanwhile): look again
+                return self._disk_get_into(key, fit)
         try:
             size = replica.size
             dst = fit(size)
@@ -151,7 +154,10 @@ class EmbeddedStore(KVStore):
         except KeyNotFoundError:
             if self._disk is None or not self._promote(key, force=not copy):
                 return self._disk_get(key)
-            lease_id, replica = self._acquire(key)
+            try:
+                lease_id, replica = self._acquire(key)
+            except KeyNotFoundError:  # its promotion was abandoned (removed or replaced meanwhile): look again
+                return self._disk_get(key)
         region = self._region(replica)
         if not copy:
             return KVObject.wrap(region, replica.meta, on_release=lambda: self._release(lease_id))
@@ -284,6 +290,11 @@ class EmbeddedStore(KVStore):
                 self._master.abort(replica.id)
             raise
         with self._lock:
+            if not self._disk.is_current(obj):
+                # removed, or superseded by a newer put, while it was being read: committing it now would bring
+                # back a removed key with its older bytes. The caller looks again.
+                self._master.abort(replica.id)
+                return True
             self._tiering.promoting(replica.id, obj)
             try:
                 self._m().commit(replica.id, meta.checksum)

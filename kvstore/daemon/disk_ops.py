@@ -47,6 +47,8 @@ class DiskOps:
             except KeyNotFoundError:
                 pass  # evicted again at once (memory too small): serve it from disk
         if f["mode"] != "stream":
+            if not disk.contains(f["key"]):  # removed while its promotion ran
+                raise KeyNotFoundError(f"key {f['key']!r} not found")
             raise ObjectTooLargeError(f"key {f['key']!r} is on disk and does not fit in memory, so it cannot be "
                                       f"mapped ({f['mode']} path); read it with a stream path (tcp)")
         meta, buf = await disk.read(f["key"])

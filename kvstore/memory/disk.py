@@ -262,6 +262,12 @@ class DiskTier:
     def contains(self, key: str) -> bool:
         return self.get(key) is not None
 
+    def is_current(self, obj: DiskObject) -> bool:
+        """Whether ``obj`` (from ``get``) is still what the tier holds for its key: not removed, replaced,
+        superseded by a newer version or evicted since."""
+        with self._cond:
+            return self._objects.get(obj.key) is obj
+
     def wants_promotion(self, key: str) -> bool:
         """Whether the next read of ``key`` is the one that should copy it back into memory."""
         obj = self.get(key)

@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from conftest import Daemon, child_env, short_tmpdir, wait_until
@@ -288,3 +290,48 @@ def test_handoff_finds_chunks_that_left_memory_on_disk(kind, daemon_factory, dis
         assert h.lookup(tokens) == len(tokens)  # the prefix chunks are still found
     finally:
         store.close()
+
+
+# ---- issue 24, defect 2: a promotion racing a remove -------------------------------------------------------
+def _race_promotion_against_remove(reader: kvstore.KVStore, writer: kvstore.KVStore, delay: float) -> None:
+    """get(copy=False) of a disk-only key promotes it; meanwhile a newer version is put and the key removed."""
+    got: list = []
+
+    def read() -> None:
+        try:
+            view = reader.get("k", copy=False)
+            got.append(len(view))
+            view.release()
+        except KeyNotFoundError:
+            got.append(None)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    time.sleep(delay)
+    writer.put("k", b"newer")
+    assert writer.remove("k")
+    thread.join(60)
+    assert not thread.is_alive() and got
+
+
+@pytest.mark.parametrize("kind", ["embedded", "daemon-shm"])
+def test_a_removed_key_never_comes_back_from_a_promotion(kind, daemon_factory, disk_dir):
+    big = value(7, 48 * MiB)
+    if kind == "embedded":
+        writer = reader = kvstore.KVStore.embedded("64MiB", disk_path=disk_dir, disk_capacity="256MiB")
+    else:
+        d = daemon_factory(capacity="64MiB", args=disk_args(disk_dir, "256MiB"))
+        writer, reader = d.connect("shm"), d.connect("shm")
+    try:
+        for trial in range(8):
+            writer.put("k", big)
+            assert writer.evict("k")
+            assert wait_until(lambda: writer.stats()["disk_pending_writes"] == 0, 30)  # read back from the file
+            _race_promotion_against_remove(reader, writer, delay=0.001 * (trial % 4) * 2)
+            assert not writer.exists("k"), f"trial {trial}: the removed key is back ({writer.inspect('k')})"
+            with pytest.raises(KeyNotFoundError):
+                reader.get("k")
+    finally:
+        writer.close()
+        if reader is not writer:
+            reader.close()
