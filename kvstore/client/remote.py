@@ -33,6 +33,7 @@ from kvstore.errors import (
 from kvstore.memory.device import DeviceBuffer
 from kvstore.memory.index import IndexReader
 from kvstore.memory.shm import SharedMemory, SharedMemoryError
+from kvstore.protocol import wire
 from kvstore.protocol.credentials import env_token
 from kvstore.protocol.url import Endpoint, host_id
 from kvstore.transports.base import TransportFailure, TransportUnavailable
@@ -45,6 +46,7 @@ log = logging.getLogger("kvstore.client")
 
 
 class RemoteStore(KVStore):
+    max_batch = wire.MAX_BATCH  # what one request to the daemon may name
     def __init__(self, url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
                  client_name: str = ""):
         self.endpoint = Endpoint.parse(url)
@@ -187,6 +189,7 @@ class RemoteStore(KVStore):
 
     def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
                   flags: PutFlags) -> list[ObjectMeta]:
+        self._check_batch(len(items), "batch_put")  # every path here (device put_many too) before a byte is sent
         if all(self._arena_fits(m, p) for m, p in items) and commit_fits([m for m, _ in items]):
             done = self._put_many_arena(items, digests, flags)
             if done is not None:
@@ -338,7 +341,10 @@ class RemoteStore(KVStore):
         return self._call("exists", key=key)
 
     def _batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return self._call("batch_exists", keys=list(keys))
+        # read-only, so a long list is split transparently into requests the daemon takes
+        keys = list(keys)
+        return [found for start in range(0, max(len(keys), 1), wire.MAX_BATCH)
+                for found in self._call("batch_exists", keys=keys[start:start + wire.MAX_BATCH])]
 
     def _evict(self, key: str) -> bool:
         return self._call("evict", key=key)

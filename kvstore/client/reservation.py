@@ -51,6 +51,7 @@ class Reservation:
         return its writable byte view. ``kind``/``dtype``/``shape`` describe the value for readers."""
         if self._done:
             raise InvalidArgumentError("this reservation is already committed or aborted")
+        self._store._check_batch(len(self._handles) + 1, "a reservation")
         object_meta = ObjectMeta(key=validate_key(key), size=_check_nbytes(nbytes), kind=kind, dtype=dtype,
                                  shape=shape, producer=self._store.producer, ttl=self._ttl,
                                  user=validate_user_meta(meta))

@@ -40,6 +40,9 @@ class DecodeLimits:
     containers: int
 
 
+#: The most objects (keys, put ids, arena entries) one request may name: ``batch_exists``, ``wait``,
+#: ``commit_many``, ``arena_commit``. A client checks it before it sends anything (``KVStore.max_batch``).
+MAX_BATCH = 4096
 #: containers one request may hold: an ``arena_commit`` of 4096 objects, each an entry, its meta, its user map
 #: and its shape, with two more maps or arrays of user metadata to spare (about 8 ms of decoding at most)
 COMMIT_CONTAINERS = 6 * 4096 + 256
