@@ -369,7 +369,15 @@ class RemoteStore(KVStore):
                                      timeout=timeout + self.timeout).get("value")
 
     def keys(self, prefix: str = "") -> list[str]:
-        return self._call("ls", prefix=prefix)
+        # page by page: a listing of any size crosses in frames under the frame limit
+        out: list[str] = []
+        request = {"op": "ls", "prefix": prefix}
+        while True:
+            reply = self._conn.call(request)
+            out += reply["value"]
+            if not reply.get("more") or not reply["value"]:
+                return out
+            request["after"] = reply["value"][-1]
 
     def _inspect(self, key: str) -> dict:
         info = self._call("inspect", key=key)

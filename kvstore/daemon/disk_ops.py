@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.core.tiering import describe_disk_object
 from kvstore.errors import KeyNotFoundError, ObjectTooLargeError
+from kvstore.protocol import wire
 
 if TYPE_CHECKING:
     from kvstore.daemon.disk_io import DiskService
@@ -79,7 +80,8 @@ class DiskOps:
 
     async def op_disk_ls(self, rid: int, f: dict) -> dict:
         keys = sorted(set(self.master.keys(f["prefix"])).union(self._disk.disk.keys(f["prefix"])))
-        return self._ok(rid, value=keys[:f["limit"]], total=len(keys))
+        page, more = wire.page_of_keys(keys, f["after"], f["limit"])
+        return self._ok(rid, value=page, total=len(keys), more=more)
 
     async def op_disk_inspect(self, rid: int, f: dict) -> dict:
         try:

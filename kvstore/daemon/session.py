@@ -30,6 +30,7 @@ from kvstore.daemon.ucx_ops import UcxOps
 from kvstore.errors import (
     AuthenticationError,
     ChecksumError,
+    FrameTooLargeError,
     InvalidArgumentError,
     KVStoreError,
     ObjectTooLargeError,
@@ -238,7 +239,11 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
             reply = wire.error_reply(rid, ServerError(f"internal error in {op}: {type(exc).__name__}: {exc}"))
         self.metrics.op(op if op in wire.SCHEMA else "unknown", result, time.perf_counter() - started)
         if reply is not None and not message.get("noreply"):
-            await self._send(reply)
+            try:
+                await self._send(reply)
+            except FrameTooLargeError as exc:  # nothing was sent: the request gets the error, the connection lives
+                log.warning("client %s op %s: reply not sent: %s", self.peer, op, exc)
+                await self._send(wire.error_reply(rid, exc))
 
     async def _drain_put(self, message: dict, exc: Exception) -> None:
         """A refused stream put still has its payload in flight: skip it, or close if it cannot be trusted."""
@@ -429,7 +434,8 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
 
     async def op_ls(self, rid: int, f: dict) -> dict:
         keys = self.master.keys(f["prefix"])
-        return self._ok(rid, value=keys[:f["limit"]], total=len(keys))
+        page, more = wire.page_of_keys(keys, f["after"], f["limit"])
+        return self._ok(rid, value=page, total=len(keys), more=more)
 
     async def op_wait(self, rid: int, f: dict) -> dict:
         # watch the connection meanwhile: a client gone mid-wait frees its session at once

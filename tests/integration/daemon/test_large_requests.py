@@ -4,7 +4,12 @@ fit in one frame is paged, or refused with a typed error on that request, never 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
+from conftest import child_env
 
 import kvstore
 
@@ -52,3 +57,49 @@ def test_reservation_and_wait_over_the_bound_are_refused(daemon, prefix, transpo
         assert s.keys(prefix) == []
         _still_usable(s, prefix)
         s.remove(f"{prefix}after")
+
+
+# ---- defect 5: replies over one frame ----------------------------------------------------------------------
+def kv(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, timeout=120,
+                          env=child_env())
+
+
+def test_listings_past_one_frame_are_paged(daemon_factory):
+    """18,000 keys of 68 bytes (1.2 MiB of names): ls, keys() and requests (which lists hf/) get them all."""
+    d = daemon_factory(capacity="64MiB")
+    names = [f"hf/{i:05d}/chunk/".ljust(68, "x") for i in range(18_000)]
+    with d.connect("shm") as s:
+        for start in range(0, len(names), BATCH):
+            s.batch_put([(k, b"") for k in names[start:start + BATCH]])
+        assert s.keys("hf/") == names
+        assert s.keys() == names
+        assert s.keys("hf/17999") == names[-1:]
+    with d.connect("tcp") as s:
+        assert s.keys() == names
+    listed = kv("ls", "--url", d.unix_url)
+    assert listed.returncode == 0, listed.stderr.decode()
+    assert listed.stdout.decode().split() == names
+    requests = kv("requests", "--url", d.unix_url, "--json")
+    assert requests.returncode == 0, requests.stderr.decode()
+    assert json.loads(requests.stdout) == []
+
+
+def test_stats_with_many_long_client_names(daemon_factory):
+    """96 connections named with 12 KiB each would make a 1.1 MiB stats reply: names are cut, stats works."""
+    d = daemon_factory(capacity="32MiB")
+    long_name = "\u20ac" * 4096
+    clients = [d.connect("tcp", client_name=long_name) for _ in range(96)]
+    try:
+        with d.connect("shm") as s:
+            stats = s.stats()
+            assert stats["connections_total"] == 97
+            named = [c for c in stats["connections"] if c["client"].startswith("\u20ac")]
+            assert len(named) == 96 and all(len(c["client"]) < 200 for c in named)
+            s.ping()
+        shown = kv("stats", "--url", d.unix_url)
+        assert shown.returncode == 0, shown.stderr.decode()
+        assert clients[0].stats()["connections_total"] >= 96
+    finally:
+        for c in clients:
+            c.close()
