@@ -4,6 +4,7 @@ corrupted files, a full disk, two daemons on one path, eviction order and capaci
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -335,3 +336,45 @@ def test_a_removed_key_never_comes_back_from_a_promotion(kind, daemon_factory, d
         writer.close()
         if reader is not writer:
             reader.close()
+
+
+# ---- issue 24, defect 4: a disk that stops answering never stalls memory service ----------------------------
+def _stuck_write(path: str, key: str) -> str:
+    """A FIFO where the tier's writer will create the first file it writes (``key``'s, generation 1): opening it
+    blocks until a reader comes, as a write to a disk that stopped answering would."""
+    name = f"{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}-{1:016x}.kv"
+    fifo = os.path.join(path, f".{name}.tmp")
+    os.mkfifo(fifo)
+    return fifo
+
+
+def _drain(fifo: str) -> threading.Thread:
+    def read() -> None:
+        with open(fifo, "rb") as f:
+            while f.read(1 << 20):
+                pass
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_stuck_disk_drops_demotions_instead_of_stalling_the_daemon(daemon_factory, disk_dir):
+    d = daemon_factory(capacity="16MiB", args=disk_args(disk_dir, "1GiB"))
+    fifo = _stuck_write(disk_dir, "first")
+    size = 4 * MiB
+    with d.connect("shm") as s, d.connect("tcp") as other:
+        s.put("first", value(0, size))
+        for i in range(1, 65):  # about the 256 MiB staging area: the writer is stuck on the first object
+            s.put(f"fill/{i}", value(i, size))
+        behind = s.stats().get("disk_behind", 0)
+        started = time.monotonic()
+        for i in range(65, 125):  # each evicts one more object; none may wait for the stuck writer
+            s.put(f"fill/{i}", value(i, size))
+            other.ping()
+        # a deadline bound only (did not hang): each of these waited 1 s for staging room before the fix
+        assert time.monotonic() - started < 30
+        stats = s.stats()
+        assert stats["disk_behind"] - behind >= 50 and stats["disk_dropped"] >= stats["disk_behind"], stats
+        assert bytes(other.get("fill/124")) == value(124, size)
+    _drain(fifo)
