@@ -378,3 +378,25 @@ def test_a_stuck_disk_drops_demotions_instead_of_stalling_the_daemon(daemon_fact
         assert stats["disk_behind"] - behind >= 50 and stats["disk_dropped"] >= stats["disk_behind"], stats
         assert bytes(other.get("fill/124")) == value(124, size)
     _drain(fifo)
+
+
+# ---- issue 24, defect 3: --disk-path leaves files it did not write alone -----------------------------------
+def test_files_the_tier_did_not_write_are_left_alone(daemon_factory, disk_dir):
+    mine = {"notes.tmp": b"a user's notes", "data.kv": b"not a kvstore record", ".lock": b"someone else's lock",
+            "model.kv.tmp": b"half of a download", f"{'ab' * 16}.kv": b"a hex-named file"}
+    for name, content in mine.items():
+        with open(os.path.join(disk_dir, name), "wb") as f:
+            f.write(content)
+    d = daemon_factory(capacity="2MiB", args=disk_args(disk_dir, policy="write-through"))
+    with d.connect("shm") as s:
+        for i in range(16):  # 4 MiB through 2 MiB of memory: demotions and write-through records
+            s.put(f"k{i}", value(i))
+        assert wait_until(lambda: s.stats()["disk_pending_writes"] == 0, 30)
+    d.stop()
+    again = daemon_factory(capacity="2MiB", args=disk_args(disk_dir, policy="write-through"))  # recovery
+    with again.connect("tcp") as s:
+        assert bytes(s.get("k0")) == value(0)
+    for name, content in mine.items():
+        with open(os.path.join(disk_dir, name), "rb") as f:
+            assert f.read() == content, name
+    assert "5 files not written by the tier are left alone" in again.log()
