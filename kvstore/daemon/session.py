@@ -222,7 +222,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
                 raise ProtocolError(f"op {op!r} is not served by this daemon")
             reply = await handler(rid, fields)
             result = "ok"
-        except _Closed:
+        except (_Closed, PeerGone, ConnectionError):  # the peer went away: a disconnect, not a failed request
             raise
         except KVStoreError as exc:
             result = exc.code

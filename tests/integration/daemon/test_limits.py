@@ -178,6 +178,9 @@ def test_client_gone_during_wait_is_dropped_at_once(daemon_factory):
         good.put("soon", b"here")
         assert _reply(other)["value"] == "soon"
         other.close()
+    # a client gone during a wait is a normal disconnect, never an internal error (issue 24, defect 7)
+    assert d.log().count("closed its connection during a wait") == 10, d.log()
+    assert "crashed" not in d.log() and "Traceback" not in d.log(), d.log()
 
 
 # ---- defect 8: stalled transfers ---------------------------------------------------------------------------
