@@ -189,8 +189,10 @@ def _requests(args: argparse.Namespace) -> int:
         return 0
     print(f"{'request':<24} {'state':<11} {'bytes':>10} {'chunks':>6} {'tokens':>7} {'age s':>8}  layout")
     for r in sorted(records, key=lambda r: r["created"]):
-        print(f"{r['request_id'][:24]:<24} {r['state']:<11} {format_size(r['bytes']):>10} {r['chunks']:>6} "
-              f"{r['num_tokens']:>7} {r['age_s']:>8.1f}  {r['model_id']} {r['layout']} {r['fingerprint'][:12]}")
+        # a record is any client's bytes (kvstore.handoff.parse_status): shown escaped
+        what = f"{r['model_id']} {r['layout']} {r['fingerprint'][:12]}" if r["state"] != "invalid" else r["error"]
+        print(f"{printable(r['request_id'][:24]):<24} {r['state']:<11} {format_size(r['bytes']):>10} {r['chunks']:>6} "
+              f"{r['num_tokens']:>7} {r['age_s']:>8.1f}  {printable(what)}")
     return 0
 
 
