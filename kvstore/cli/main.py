@@ -49,18 +49,20 @@ def _limit_options(args: argparse.Namespace) -> dict:
 def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits", "what one client or connection may hold (docs/security.md)")
     g.add_argument("--max-pending-bytes", metavar="SIZE",
-                   help="uncommitted put bytes per client that may evict committed data; past it a put may only "
-                        "use free space, else it is refused with QuotaExceededError (default: half the capacity)")
+                   help="uncommitted put bytes per client (and per process, all its connections together) "
+                        "that may evict committed data; past it a put may only use free space, else it is refused "
+                        "with QuotaExceededError (default: half the capacity)")
     g.add_argument("--max-held-bytes", metavar="SIZE",
-                   help="segment bytes per client in pending puts and leases together (one object of any size "
-                        "is always allowed); also the most a paused, revoked same-host client can keep "
-                        "quarantined (default: three quarters of the capacity)")
+                   help="segment bytes per client (and per process) in pending puts and leases together "
+                        "(one object of any size is always allowed); also the most a paused, revoked same-host "
+                        "client can keep quarantined (default: three quarters of the capacity)")
     g.add_argument("--arena-size", metavar="SIZE",
                    help="segment space granted at a time to a same-host client, which allocates its puts from it "
                         "itself (one round trip a put); counted in its pending bytes (default: min(64MiB, "
                         "capacity/16))")
     g.add_argument("--max-leases", type=int, default=16384, metavar="N",
-                   help="leases one client may hold at once (default %(default)s)")
+                   help="leases one client (and one process, all its connections together) may hold at once "
+                        "(default %(default)s)")
     g.add_argument("--max-connections", type=int, default=1024, metavar="N",
                    help="connections kept open in all; more are closed at accept (default %(default)s)")
     g.add_argument("--max-connections-per-peer", type=int, default=256, metavar="N",

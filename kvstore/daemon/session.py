@@ -292,7 +292,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
             self.cancel_auth_deadline()
             if self.transport in MAPS_MEMORY:  # _verified_host made sure the pid is known
                 self._watch = PidWatch(self.cred.pid)  # watched from now: a recycled pid is never mistaken for it
-            self.client = server.master.register_client(f["client"])
+            self.client = server.master.register_client(f["client"], peer=self._quota_peer())
             if len(self._buf) < _BUFFER:  # authenticated: the full-size buffer
                 self._buf = self._buf[self._start:self._end] + bytearray(_BUFFER - (self._end - self._start))
                 self._start, self._end = 0, self._end - self._start
@@ -313,6 +313,13 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
         if self.cred is None and self.sock.family != socket.AF_UNIX:
             self.cred = await self.loop.run_in_executor(None, tcp_peer_cred, self.sock)
         return claimed if self.cred is not None and self.cred.pid is not None else ""
+
+    def _quota_peer(self) -> str:
+        """Whose sessions share the per-client limits as well as each having them: one process where the kernel
+        named it (uid and pid), else a Unix-socket user or a TCP address."""
+        if self.cred is not None and self.cred.pid is not None:
+            return f"uid {self.cred.uid} pid {self.cred.pid}"
+        return self.peer_key
 
     async def op_ping(self, rid: int, f: dict) -> dict:
         return self._ok(rid)
