@@ -200,6 +200,7 @@ class KVHandoff:
                 checksums: list[int], num_tokens: int, token_ids, ttl: float) -> RequestMeta:
         keys = request_keys(rid)
         nbytes = sum(chunk_blocks) * self.layout.block_nbytes
+        checksums, sent = self._keep_shared_chunks(batch, names, checksums)
         meta = RequestMeta(
             request_id=rid, layout=self.layout.to_dict(), fingerprint=self.layout.fingerprint(),
             num_tokens=num_tokens, num_blocks=sum(chunk_blocks), chunk_keys=tuple(names), chunk_blocks=chunk_blocks,
@@ -210,7 +211,7 @@ class KVHandoff:
             self.store.put(keys["status"], self._status("published", meta), ttl=ttl + self.status_ttl)
             record = msgpack.packb(meta.to_wire())
             batch.add(keys["meta"], len(record))[:] = record
-            batch.commit([*checksums, None])
+            batch.commit([*sent, None])
         except BaseException:
             batch.abort()
             raise
@@ -219,6 +220,25 @@ class KVHandoff:
         if self.store.exists(keys["cancel"]):  # cancelled while we were committing: take it back
             self._drop(meta, keep_chunks=False)
         return meta
+
+    def _keep_shared_chunks(self, batch: Reservation, names: list[str], checksums: list[int]
+                            ) -> tuple[list[int], list[int]]:
+        """A prefix chunk another producer already stored with other bytes (same tokens, numerically different
+        KV) is kept as it is, never replaced under a request that references it: ours is dropped and this request
+        records theirs. Returns (the checksums to record, those of the chunks still to commit)."""
+        shared = [i for i, name in enumerate(names) if name.startswith("kvp/")]
+        recorded, dropped = list(checksums), set()
+        found = self.store.batch_exists([names[i] for i in shared]) if shared else []
+        for i, present in zip(shared, found, strict=True):
+            try:
+                theirs = self.store.inspect(names[i])["checksum"] if present else None
+            except KeyNotFoundError:
+                continue
+            if theirs is not None and int(theirs, 16) != checksums[i]:
+                batch.drop(names[i])
+                recorded[i] = int(theirs, 16)
+                dropped.add(i)
+        return recorded, [c for i, c in enumerate(checksums) if i not in dropped]
 
     def cancel(self, request_id: str) -> None:
         """Withdraw the request: its meta and request-scoped chunks are removed now (prefix-keyed chunks,
