@@ -25,6 +25,7 @@ from kvstore.daemon.arena_ops import ArenaOps
 from kvstore.daemon.disk_ops import DiskOps
 from kvstore.daemon.gpu_ops import GpuOps
 from kvstore.daemon.guards import PeerGone, SessionGuards
+from kvstore.daemon.limits import AuthBackoff, LogBudget
 from kvstore.daemon.quarantine import MAPS_MEMORY, PidWatch, peer_cred, tcp_peer_cred
 from kvstore.daemon.ucx_ops import UcxOps
 from kvstore.errors import (
@@ -50,6 +51,9 @@ _INLINE_REPLY = 64 << 10  # stream replies up to this size go out in one send wi
 _HASH_PIECE = 256 << 10
 
 
+#: one daemon per process: these span its sessions, so that many connections of one peer share them
+_FAILURE_LOG = LogBudget()  # refused requests: a few lines per peer every few seconds, the rest counted
+_AUTH_BACKOFF = AuthBackoff()
 Handler = Callable[[int, dict], Awaitable[dict | None]]  # (request id, validated fields) -> reply or None
 
 
@@ -76,6 +80,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
         self._watch: PidWatch | None = None  # the client's process, once it authenticates on a mapping transport
         self._task: asyncio.Task | None = None
         self._closed = False
+        self._refused = 0  # requests refused with a typed error
 
     # ---- framing ------------------------------------------------------------------------------------
     async def _fill(self, n: int) -> None:
@@ -226,13 +231,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
             raise
         except KVStoreError as exc:
             result = exc.code
-            log.info("client %s op %s failed: %s", self.peer, op, exc)
-            reply = wire.error_reply(rid, exc)
-            if self._unread_payload:
-                await self._drain_put(message, exc)
-            if isinstance(exc, AuthenticationError):
-                await self._send(reply)
-                raise _Closed("authentication failed") from None
+            reply = await self._refuse(rid, op, message, exc)
         except Exception as exc:  # a bug: report it, keep serving everyone
             result = "Server"
             log.exception("client %s op %s crashed", self.peer, op)
@@ -244,6 +243,27 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, SessionGuards):
             except FrameTooLargeError as exc:  # nothing was sent: the request gets the error, the connection lives
                 log.warning("client %s op %s: reply not sent: %s", self.peer, op, exc)
                 await self._send(wire.error_reply(rid, exc))
+
+    async def _refuse(self, rid: int, op: str, message: dict, exc: KVStoreError) -> dict:
+        """The error reply of a refused request, logged within the peer's budget (a session's first refusal
+        always; then a few a peer every few seconds, the rest counted). A refused hello token is answered after
+        the peer's back-off, and an authentication failure ends the session."""
+        auth = isinstance(exc, AuthenticationError)
+        delay = _AUTH_BACKOFF.failed(self.peer_key) if auth and op == "hello" else 0.0  # guessing costs time
+        held = _FAILURE_LOG.take(self.peer_key) if self._refused else 0
+        self._refused += 1
+        if held is not None:
+            log.info("client %s op %s failed: %s%s%s", self.peer, op, exc,
+                     f" (answered after {delay:.1f} s)" if delay else "",
+                     f" ({held} more refused requests of this peer not logged)" if held else "")
+        reply = wire.error_reply(rid, exc)
+        if self._unread_payload:
+            await self._drain_put(message, exc)
+        if auth:
+            await asyncio.sleep(delay)
+            await self._send(reply)
+            raise _Closed("authentication failed") from None
+        return reply
 
     async def _drain_put(self, message: dict, exc: Exception) -> None:
         """A refused stream put still has its payload in flight: skip it, or close if it cannot be trusted."""

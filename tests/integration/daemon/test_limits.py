@@ -321,3 +321,33 @@ def test_leases_are_capped_per_process(daemon_factory):
             assert other.stats()["leases"] == 8
         finally:
             greedy.communicate(b"", timeout=30)
+
+
+# ---- issue 24: refused requests and wrong tokens do not flood the log ----------------------------------------
+def test_a_flood_of_refused_requests_is_logged_a_few_lines_at_a_time(daemon_factory):
+    d = daemon_factory(capacity="8MiB")
+    sock = _raw(d)
+    assert _hello(sock)["ok"]
+    for i in range(2000):
+        _send(sock, 10 + i, op="exists", key="")  # InvalidKey, each
+        assert _reply(sock)["error"] == "InvalidKey"
+    sock.close()
+    with d.connect("tcp") as s:
+        s.ping()
+        with pytest.raises(kvstore.KeyNotFoundError):
+            s.get("missing")
+    lines = [line for line in d.log().splitlines() if " failed: " in line]
+    assert 2 <= len(lines) <= 40, f"{len(lines)} lines"
+    assert "missing" in d.log()  # a new session's first refusal is always logged
+
+
+def test_wrong_tokens_are_answered_later_and_later(daemon_factory):
+    d = daemon_factory(capacity="8MiB")
+    for _ in range(4):
+        with pytest.raises(kvstore.AuthenticationError):
+            kvstore.connect(d.tcp_url, transport="tcp", token="wrong", timeout=10)
+    with d.connect("tcp") as s:  # the right token is served at once
+        s.ping()
+    delays = [line.rsplit("answered after ", 1)[1].split()[0] for line in d.log().splitlines()
+              if "wrong or missing token" in line]
+    assert delays == ["0.1", "0.2", "0.4", "0.8"], delays  # doubling for each failure in a row from one peer
