@@ -114,8 +114,8 @@ def _stats(args: argparse.Namespace) -> int:
               f"disk used     {format_size(dused)} of {format_size(dcap)} ({100 * dused / max(dcap, 1):.1f} %)")
         for name in ("disk_objects", "demotions", "promotions", "disk_reads", "disk_errors", "disk_dropped"):
             print(f"{name:<14}{stats[name]}")
-    for conn in stats.get("connections", []):
-        print(f"client        {conn['client']} via {conn['transport']} ({conn['peer']})")
+    for conn in stats.get("connections", []):  # names are the clients' own: shown escaped
+        print(f"client        {printable(conn['client'])} via {conn['transport']} ({printable(conn['peer'])})")
     return 0
 
 
@@ -146,8 +146,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
     else:
-        for name, value in info.items():
-            print(f"{name:<18}{value}")
+        for name, value in info.items():  # the key, producer and metadata are any client's: shown escaped
+            print(f"{name:<18}{printable(str(value))}")
     return 0
 
 
