@@ -246,7 +246,10 @@ class KVHandoff:
         rid = _check_request_id(request_id)
         keys = request_keys(rid)
         self.store.put(keys["cancel"], b"cancelled", ttl=self.status_ttl)
-        meta = self._read_meta(rid)
+        try:
+            meta = self._read_meta(rid)
+        except HandoffAbortedError:  # unreadable: it is withdrawn all the same
+            meta = None
         if meta is not None:
             self._drop(meta, keep_chunks=False)
         self.store.put(keys["status"], self._status("cancelled", meta, rid), ttl=self.status_ttl)
@@ -398,10 +401,16 @@ class KVHandoff:
         return record.get("state") if isinstance(record, dict) else None
 
     def _read_meta(self, rid: str) -> RequestMeta | None:
+        """The request's meta, None if absent; HandoffAbortedError if it is unreadable (any client can write hf/,
+        and a flipped byte fails its checksum)."""
         try:
-            return RequestMeta.from_wire(msgpack.unpackb(bytes(self.store.get(request_keys(rid)["meta"]))))
+            blob = bytes(self.store.get(request_keys(rid)["meta"], verify=True))
+            return RequestMeta.from_wire(msgpack.unpackb(blob, raw=False))
         except KeyNotFoundError:
             return None
+        except (ChecksumError, ValueError, TypeError, KeyError) as exc:  # msgpack's and from_wire's errors
+            raise HandoffAbortedError(f"request {rid!r}: its metadata is unreadable ({type(exc).__name__}: "
+                                      f"{str(exc)[:200]}); recompute the prefill") from None
 
     def _check_meta(self, meta: RequestMeta, num_blocks: int, num_tokens: int | None) -> None:
         mine = self.layout.to_dict()

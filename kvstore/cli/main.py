@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import unicodedata
 from collections.abc import Callable
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgumentError, KVStoreError
 from kvstore.protocol.credentials import read_token_file
 from kvstore.protocol.url import default_socket_url, default_url
 from kvstore.units import format_size, parse_size
@@ -165,11 +166,23 @@ def _get(args: argparse.Namespace) -> int:
         obj = store.get(args.key, verify=True)
         data = bytes(obj)
     if args.file == "-":
-        sys.stdout.buffer.write(data)
+        _write_stdout(data)
     else:
         with open(args.file, "wb") as f:
             f.write(data)
     return 0
+
+
+def _write_stdout(data: bytes) -> None:
+    if sys.stdout is None:  # started with stdout closed
+        raise InvalidArgumentError("stdout is closed; name a file to write the bytes to")
+    try:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away: say so once, and keep the interpreter's own flush at exit from failing again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise InvalidArgumentError("stdout was closed before all the bytes were written") from None
 
 
 def _rm(args: argparse.Namespace) -> int:

@@ -212,10 +212,10 @@ class RemoteStore(KVStore):
                 for (meta, _), digest, v, c in zip(items, digests, reply["versions"], reply["created"], strict=True)]
 
     def _reserve(self, meta: ObjectMeta, flags: PutFlags) -> tuple[Any, memoryview]:
+        if meta.size > self.capacity:  # first: a staging buffer of any size is not even tried
+            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
         if not isinstance(self._data, ShmTransport):  # tcp, ucx: a staging buffer sent at commit
             return super()._reserve(meta, flags)
-        if meta.size > self.capacity:
-            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
         if self._arena_fits(meta):  # no round trip: the commit is the only one
             slot = self._arenas.take(meta.size)
             if slot is not None:
