@@ -123,6 +123,17 @@ class ProtocolError(KVStoreError):
     code = "Protocol"
 
 
+class FrameTooLargeError(ProtocolError):
+    """A message would not fit in one frame (``kvstore.protocol.wire.MAX_FRAME``): a request is refused before
+    it is sent; a daemon's reply is replaced by this error on that request.
+
+    Nothing was sent and the connection stays usable. The request itself was carried out (replies that grow
+    this large are listings, which change nothing). Retrying the same call cannot help: ask for less.
+    """
+
+    code = "FrameTooLarge"
+
+
 class AuthenticationError(KVStoreError, PermissionError):
     """The daemon refused the connection's token, or the client refused a daemon run by another user.
 

@@ -46,12 +46,51 @@ from kvstore.errors import (
 )
 from kvstore.layout import KVLayout, dtype_name
 
+#: what a status record holds (``KVHandoff._status``); any authenticated client can write ``hf/``, so a reader
+#: checks every field before it trusts one
+_STATUS_FIELDS = {"request_id": str, "state": str, "updated": (int, float), "created": (int, float), "bytes": int,
+                  "chunks": int, "num_tokens": int, "model_id": str, "layout": str, "fingerprint": str,
+                  "producer": str, "ttl": (int, float)}
+_STATUS_STATES = ("publishing", "published", "fetched", "cancelled")
+_STATUS_MAX_BYTES = 64 << 10
 STATUS_GRACE_S = 600.0  # status records outlive their request by this long, so "expired" can be shown
 _POLL_SLICE_S = 0.25  # how often a waiting consumer also checks that the producer is still alive
 
 
 def request_keys(request_id: str) -> dict[str, str]:
     return {name: f"hf/{request_id}/{name}" for name in ("meta", "claim", "cancel", "status")}
+
+
+def parse_status(key: str, blob: bytes) -> dict:
+    """The status record stored at ``key`` (``hf/<rid>/status``) as KVHandoff writes it. A malformed one (not
+    msgpack, a field missing or of the wrong type, an unknown state, another request's id) becomes a record in
+    state ``invalid`` with an ``error`` saying why, so that a listing reports it and goes on."""
+    rid = key[len("hf/"):-len("/status")]
+    problem, record = None, {}
+    if len(blob) > _STATUS_MAX_BYTES:
+        problem = f"{len(blob)} bytes, more than a status record holds"
+    else:
+        try:
+            record = msgpack.unpackb(blob, raw=False)
+        except (ValueError, TypeError) as exc:  # msgpack's errors (ExtraData, FormatError…) are ValueErrors
+            problem = f"not msgpack ({type(exc).__name__})"
+    if problem is None and not isinstance(record, dict):
+        problem = f"a msgpack {type(record).__name__}, not a map"
+    for name, kind in _STATUS_FIELDS.items() if problem is None else ():
+        value = record.get(name)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            problem = f"field {name!r} is {'missing' if value is None else type(value).__name__}"
+            break
+    if problem is None and record["state"] not in _STATUS_STATES:
+        problem = f"unknown state {record['state'][:40]!r}"
+    if problem is None and record["request_id"] != rid:
+        problem = f"it names request {record['request_id'][:40]!r}"
+    if problem is None:
+        return record
+    now = time.time()
+    return {"request_id": rid, "state": "invalid", "error": problem, "updated": now, "created": now, "bytes": 0,
+            "chunks": 0, "num_tokens": 0, "model_id": "", "layout": "", "fingerprint": "", "producer": "", "ttl": 0,
+            "age_s": 0.0}
 
 
 def chunk_keys(layout: KVLayout, token_ids: Sequence[int], chunk_tokens: int) -> list[str]:
@@ -161,6 +200,7 @@ class KVHandoff:
                 checksums: list[int], num_tokens: int, token_ids, ttl: float) -> RequestMeta:
         keys = request_keys(rid)
         nbytes = sum(chunk_blocks) * self.layout.block_nbytes
+        checksums, sent = self._keep_shared_chunks(batch, names, checksums)
         meta = RequestMeta(
             request_id=rid, layout=self.layout.to_dict(), fingerprint=self.layout.fingerprint(),
             num_tokens=num_tokens, num_blocks=sum(chunk_blocks), chunk_keys=tuple(names), chunk_blocks=chunk_blocks,
@@ -171,7 +211,7 @@ class KVHandoff:
             self.store.put(keys["status"], self._status("published", meta), ttl=ttl + self.status_ttl)
             record = msgpack.packb(meta.to_wire())
             batch.add(keys["meta"], len(record))[:] = record
-            batch.commit([*checksums, None])
+            batch.commit([*sent, None])
         except BaseException:
             batch.abort()
             raise
@@ -181,13 +221,35 @@ class KVHandoff:
             self._drop(meta, keep_chunks=False)
         return meta
 
+    def _keep_shared_chunks(self, batch: Reservation, names: list[str], checksums: list[int]
+                            ) -> tuple[list[int], list[int]]:
+        """A prefix chunk another producer already stored with other bytes (same tokens, numerically different
+        KV) is kept as it is, never replaced under a request that references it: ours is dropped and this request
+        records theirs. Returns (the checksums to record, those of the chunks still to commit)."""
+        shared = [i for i, name in enumerate(names) if name.startswith("kvp/")]
+        recorded, dropped = list(checksums), set()
+        found = self.store.batch_exists([names[i] for i in shared]) if shared else []
+        for i, present in zip(shared, found, strict=True):
+            try:
+                theirs = self.store.inspect(names[i])["checksum"] if present else None
+            except KeyNotFoundError:
+                continue
+            if theirs is not None and int(theirs, 16) != checksums[i]:
+                batch.drop(names[i])
+                recorded[i] = int(theirs, 16)
+                dropped.add(i)
+        return recorded, [c for i, c in enumerate(checksums) if i not in dropped]
+
     def cancel(self, request_id: str) -> None:
         """Withdraw the request: its meta and request-scoped chunks are removed now (prefix-keyed chunks,
         possibly shared, stay until their TTL) and a waiting ``fetch`` raises HandoffAbortedError."""
         rid = _check_request_id(request_id)
         keys = request_keys(rid)
         self.store.put(keys["cancel"], b"cancelled", ttl=self.status_ttl)
-        meta = self._read_meta(rid)
+        try:
+            meta = self._read_meta(rid)
+        except HandoffAbortedError:  # unreadable: it is withdrawn all the same
+            meta = None
         if meta is not None:
             self._drop(meta, keep_chunks=False)
         self.store.put(keys["status"], self._status("cancelled", meta, rid), ttl=self.status_ttl)
@@ -287,8 +349,11 @@ class KVHandoff:
             if not key.endswith("/status"):
                 continue
             try:
-                record = msgpack.unpackb(bytes(store.get(key)))
+                record = parse_status(key, bytes(store.get(key)))
             except KeyNotFoundError:
+                continue
+            if record["state"] == "invalid":
+                out.append(record)
                 continue
             keys = request_keys(record["request_id"])
             if record["state"] in ("publishing", "published") and not store.exists(keys["meta"]):
@@ -336,10 +401,16 @@ class KVHandoff:
         return record.get("state") if isinstance(record, dict) else None
 
     def _read_meta(self, rid: str) -> RequestMeta | None:
+        """The request's meta, None if absent; HandoffAbortedError if it is unreadable (any client can write hf/,
+        and a flipped byte fails its checksum)."""
         try:
-            return RequestMeta.from_wire(msgpack.unpackb(bytes(self.store.get(request_keys(rid)["meta"]))))
+            blob = bytes(self.store.get(request_keys(rid)["meta"], verify=True))
+            return RequestMeta.from_wire(msgpack.unpackb(blob, raw=False))
         except KeyNotFoundError:
             return None
+        except (ChecksumError, ValueError, TypeError, KeyError) as exc:  # msgpack's and from_wire's errors
+            raise HandoffAbortedError(f"request {rid!r}: its metadata is unreadable ({type(exc).__name__}: "
+                                      f"{str(exc)[:200]}); recompute the prefill") from None
 
     def _check_meta(self, meta: RequestMeta, num_blocks: int, num_tokens: int | None) -> None:
         mine = self.layout.to_dict()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import unicodedata
 from collections.abc import Callable
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgumentError, KVStoreError
 from kvstore.protocol.credentials import read_token_file
 from kvstore.protocol.url import default_socket_url, default_url
 from kvstore.units import format_size, parse_size
@@ -49,18 +50,20 @@ def _limit_options(args: argparse.Namespace) -> dict:
 def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits", "what one client or connection may hold (docs/security.md)")
     g.add_argument("--max-pending-bytes", metavar="SIZE",
-                   help="uncommitted put bytes per client that may evict committed data; past it a put may only "
-                        "use free space, else it is refused with QuotaExceededError (default: half the capacity)")
+                   help="uncommitted put bytes per client (and per process, all its connections together) "
+                        "that may evict committed data; past it a put may only use free space, else it is refused "
+                        "with QuotaExceededError (default: half the capacity)")
     g.add_argument("--max-held-bytes", metavar="SIZE",
-                   help="segment bytes per client in pending puts and leases together (one object of any size "
-                        "is always allowed); also the most a paused, revoked same-host client can keep "
-                        "quarantined (default: three quarters of the capacity)")
+                   help="segment bytes per client (and per process) in pending puts and leases together "
+                        "(one object of any size is always allowed); also the most a paused, revoked same-host "
+                        "client can keep quarantined (default: three quarters of the capacity)")
     g.add_argument("--arena-size", metavar="SIZE",
                    help="segment space granted at a time to a same-host client, which allocates its puts from it "
                         "itself (one round trip a put); counted in its pending bytes (default: min(64MiB, "
                         "capacity/16))")
     g.add_argument("--max-leases", type=int, default=16384, metavar="N",
-                   help="leases one client may hold at once (default %(default)s)")
+                   help="leases one client (and one process, all its connections together) may hold at once "
+                        "(default %(default)s)")
     g.add_argument("--max-connections", type=int, default=1024, metavar="N",
                    help="connections kept open in all; more are closed at accept (default %(default)s)")
     g.add_argument("--max-connections-per-peer", type=int, default=256, metavar="N",
@@ -81,10 +84,11 @@ def _disk_config(args: argparse.Namespace):
 
     if args.disk_capacity is None:
         raise KVStoreError("--disk-path needs --disk-capacity (e.g. 200GiB)")
-    # stall_s: an eviction runs on the daemon's loop, so it waits at most 1 s for a writer that is more than
-    # the staging area behind, then drops the object from the disk tier (counted) rather than stall everyone
+    # stall_s: an eviction runs on the daemon's loop, so it never waits for a writer that is a whole staging
+    # area behind (a slow disk): the object is dropped from the disk tier (counted: disk_behind) rather than
+    # stall every client's requests
     return DiskConfig(args.disk_path, parse_size(args.disk_capacity), args.disk_policy, args.disk_promote_after,
-                      stall_s=1.0)
+                      stall_s=0.0)
 
 
 def _client(args: argparse.Namespace):
@@ -111,8 +115,8 @@ def _stats(args: argparse.Namespace) -> int:
               f"disk used     {format_size(dused)} of {format_size(dcap)} ({100 * dused / max(dcap, 1):.1f} %)")
         for name in ("disk_objects", "demotions", "promotions", "disk_reads", "disk_errors", "disk_dropped"):
             print(f"{name:<14}{stats[name]}")
-    for conn in stats.get("connections", []):
-        print(f"client        {conn['client']} via {conn['transport']} ({conn['peer']})")
+    for conn in stats.get("connections", []):  # names are the clients' own: shown escaped
+        print(f"client        {printable(conn['client'])} via {conn['transport']} ({printable(conn['peer'])})")
     cluster = stats.get("cluster") or {}
     if cluster:
         print(f"cluster node  {cluster.get('node') or cluster.get('home')}; members "
@@ -149,8 +153,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
     else:
-        for name, value in info.items():
-            print(f"{name:<18}{value}")
+        for name, value in info.items():  # the key, producer and metadata are any client's: shown escaped
+            print(f"{name:<18}{printable(str(value))}")
     return 0
 
 
@@ -168,11 +172,23 @@ def _get(args: argparse.Namespace) -> int:
         obj = store.get(args.key, verify=True)
         data = bytes(obj)
     if args.file == "-":
-        sys.stdout.buffer.write(data)
+        _write_stdout(data)
     else:
         with open(args.file, "wb") as f:
             f.write(data)
     return 0
+
+
+def _write_stdout(data: bytes) -> None:
+    if sys.stdout is None:  # started with stdout closed
+        raise InvalidArgumentError("stdout is closed; name a file to write the bytes to")
+    try:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away: say so once, and keep the interpreter's own flush at exit from failing again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise InvalidArgumentError("stdout was closed before all the bytes were written") from None
 
 
 def _rm(args: argparse.Namespace) -> int:
@@ -194,8 +210,10 @@ def _requests(args: argparse.Namespace) -> int:
         return 0
     print(f"{'request':<24} {'state':<11} {'bytes':>10} {'chunks':>6} {'tokens':>7} {'age s':>8}  layout")
     for r in sorted(records, key=lambda r: r["created"]):
-        print(f"{r['request_id'][:24]:<24} {r['state']:<11} {format_size(r['bytes']):>10} {r['chunks']:>6} "
-              f"{r['num_tokens']:>7} {r['age_s']:>8.1f}  {r['model_id']} {r['layout']} {r['fingerprint'][:12]}")
+        # a record is any client's bytes (kvstore.handoff.parse_status): shown escaped
+        what = f"{r['model_id']} {r['layout']} {r['fingerprint'][:12]}" if r["state"] != "invalid" else r["error"]
+        print(f"{printable(r['request_id'][:24]):<24} {r['state']:<11} {format_size(r['bytes']):>10} {r['chunks']:>6} "
+              f"{r['num_tokens']:>7} {r['age_s']:>8.1f}  {printable(what)}")
     return 0
 
 

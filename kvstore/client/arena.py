@@ -14,6 +14,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgpack
+
 from kvstore.client.rpc import Connection
 from kvstore.core.allocator import Allocator
 from kvstore.core.digest import Digest
@@ -157,11 +159,21 @@ class ArenaWriter:
 
 def commit_fits(metas: Sequence[ObjectMeta]) -> bool:
     """Whether one arena_commit of these objects stays within the daemon's bounds on a request (past them the
-    daemon closes the connection): at most MAX_ENTRIES objects, and not too much nested user metadata."""
+    daemon closes the connection): at most MAX_ENTRIES objects, not too much nested user metadata, and a frame
+    within wire.MAX_FRAME (4096 entries of 100-character keys are more than that)."""
     if len(metas) > MAX_ENTRIES:
+        return False
+    if sum(_entry_bytes(m) for m in metas) > wire.MAX_FRAME - 4096:
         return False
     return len(metas) * 6 < wire.COMMIT_CONTAINERS or \
         sum(4 + _containers(m.user) for m in metas) <= wire.COMMIT_CONTAINERS
+
+
+def _entry_bytes(meta: ObjectMeta) -> int:
+    """An upper bound on one entry's encoded size: its fixed fields (about 175 bytes measured) and its strings."""
+    size = 224 + len(meta.key.encode()) + len(meta.producer.encode()) + len((meta.dtype or "").encode())
+    size += 9 * len(meta.shape or ())
+    return size + (len(msgpack.packb(meta.user, use_bin_type=True)) if meta.user else 0)
 
 
 def check_commit_size(metas: Sequence[ObjectMeta]) -> None:

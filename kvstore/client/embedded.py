@@ -18,7 +18,14 @@ from kvstore.core.master import Master, Replica, describe_replica
 from kvstore.core.meta import ObjectMeta
 from kvstore.core.tiering import Tiering, decode_meta, describe_disk_object, promotion_meta
 from kvstore.core.value import KVObject, Payload
-from kvstore.errors import KeyExistsError, KeyNotFoundError, KVStoreError, StoreConnectionError, StoreFullError
+from kvstore.errors import (
+    InvalidArgumentError,
+    KeyExistsError,
+    KeyNotFoundError,
+    KVStoreError,
+    StoreConnectionError,
+    StoreFullError,
+)
 from kvstore.memory.disk import DiskConfig, DiskObject, DiskPolicy, DiskTier
 from kvstore.memory.segment import SegmentSet
 from kvstore.units import parse_size
@@ -58,9 +65,11 @@ class EmbeddedStore(KVStore):
             self._disk, self._replica_view, write_through=self._disk.config.policy is DiskPolicy.WRITE_THROUGH)
         try:
             self._segments = SegmentSet([capacity], private=True)
-        except BaseException:
+        except BaseException as exc:
             if self._disk is not None:
                 self._disk.close()
+            if isinstance(exc, OverflowError):
+                raise InvalidArgumentError(f"capacity of {capacity} bytes is more than this machine can map") from None
             raise
         self._master = Master([capacity], high_watermark=high_watermark, low_watermark=low_watermark,
                               listener=_Notifier(self._cond, self._tiering),
@@ -134,7 +143,10 @@ class EmbeddedStore(KVStore):
         except KeyNotFoundError:
             if self._disk is None or not self._promote(key, force=False):
                 return self._disk_get_into(key, fit)
-            lease_id, replica = self._acquire(key)
+            try:
+                lease_id, replica = self._acquire(key)
+            except KeyNotFoundError:  # its promotion was abandoned (removed or replaced meanwhile): look again
+                return self._disk_get_into(key, fit)
         try:
             size = replica.size
             dst = fit(size)
@@ -151,7 +163,10 @@ class EmbeddedStore(KVStore):
         except KeyNotFoundError:
             if self._disk is None or not self._promote(key, force=not copy):
                 return self._disk_get(key)
-            lease_id, replica = self._acquire(key)
+            try:
+                lease_id, replica = self._acquire(key)
+            except KeyNotFoundError:  # its promotion was abandoned (removed or replaced meanwhile): look again
+                return self._disk_get(key)
         region = self._region(replica)
         if not copy:
             return KVObject.wrap(region, replica.meta, on_release=lambda: self._release(lease_id))
@@ -256,9 +271,13 @@ class EmbeddedStore(KVStore):
         return KVObject.wrap(buf, decode_meta(obj.meta))
 
     def _disk_get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
-        """Read a disk object straight into the caller's buffer (no promotion)."""
+        """Read a disk object into the caller's buffer (no promotion): through a scratch buffer, so that a copy
+        found corrupted (DiskReadError) leaves the caller's buffer as it was."""
         obj = self._disk_object(key)
-        self._disk.read_into(obj, fit(obj.size))
+        dst = fit(obj.size)
+        scratch = bytearray(obj.size)
+        self._disk.read_into(obj, memoryview(scratch))
+        dst[:obj.size] = scratch
         return obj.size, decode_meta(obj.meta).checksum
 
     def _promote(self, key: str, *, force: bool) -> bool:
@@ -284,6 +303,11 @@ class EmbeddedStore(KVStore):
                 self._master.abort(replica.id)
             raise
         with self._lock:
+            if not self._disk.is_current(obj):
+                # removed, or superseded by a newer put, while it was being read: committing it now would bring
+                # back a removed key with its older bytes. The caller looks again.
+                self._master.abort(replica.id)
+                return True
             self._tiering.promoting(replica.id, obj)
             try:
                 self._m().commit(replica.id, meta.checksum)

@@ -36,6 +36,7 @@ from kvstore.errors import (
 from kvstore.memory.device import DeviceBuffer
 from kvstore.memory.index import IndexReader
 from kvstore.memory.shm import SharedMemory, SharedMemoryError
+from kvstore.protocol import wire
 from kvstore.protocol.credentials import env_token
 from kvstore.protocol.url import Endpoint, host_id
 from kvstore.transports.base import TransportFailure, TransportUnavailable
@@ -50,6 +51,7 @@ log = logging.getLogger("kvstore.client")
 class RemoteStore(KVStore):
     #: the cluster node id expected at this address (a NodeClient's); the handshake refuses another daemon
     expected_node: str | None = None
+    max_batch = wire.MAX_BATCH  # what one request to the daemon may name
 
     def __init__(self, url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
                  client_name: str = "", compression: str = "off"):
@@ -231,6 +233,7 @@ class RemoteStore(KVStore):
 
     def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
                   flags: PutFlags) -> list[ObjectMeta]:
+        self._check_batch(len(items), "batch_put")  # every path here (device put_many too) before a byte is sent
         if all(self._arena_fits(m, p) for m, p in items) and commit_fits([m for m, _ in items]):
             done = self._put_many_arena(items, digests, flags)
             if done is not None:
@@ -253,10 +256,10 @@ class RemoteStore(KVStore):
                 for (meta, _), digest, v, c in zip(items, digests, reply["versions"], reply["created"], strict=True)]
 
     def _reserve(self, meta: ObjectMeta, flags: PutFlags) -> tuple[Any, memoryview]:
+        if meta.size > self.capacity:  # first: a staging buffer of any size is not even tried
+            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
         if not isinstance(self._data, ShmTransport):  # tcp, ucx: a staging buffer sent at commit
             return super()._reserve(meta, flags)
-        if meta.size > self.capacity:
-            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
         if self._arena_fits(meta):  # no round trip: the commit is the only one
             slot = self._arenas.take(meta.size)
             if slot is not None:
@@ -396,7 +399,10 @@ class RemoteStore(KVStore):
         return self._call("exists", key=key)
 
     def _batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        return self._call("batch_exists", keys=list(keys))
+        # read-only, so a long list is split transparently into requests the daemon takes
+        keys = list(keys)
+        return [found for start in range(0, max(len(keys), 1), wire.MAX_BATCH)
+                for found in self._call("batch_exists", keys=keys[start:start + wire.MAX_BATCH])]
 
     def _evict(self, key: str) -> bool:
         return self._call("evict", key=key)
@@ -421,7 +427,15 @@ class RemoteStore(KVStore):
                                      timeout=timeout + self.timeout).get("value")
 
     def keys(self, prefix: str = "") -> list[str]:
-        return self._call("ls", prefix=prefix)
+        # page by page: a listing of any size crosses in frames under the frame limit
+        out: list[str] = []
+        request = {"op": "ls", "prefix": prefix}
+        while True:
+            reply = self._conn.call(request)
+            out += reply["value"]
+            if not reply.get("more") or not reply["value"]:
+                return out
+            request["after"] = reply["value"][-1]
 
     def _inspect(self, key: str) -> dict:
         info = self._call("inspect", key=key)

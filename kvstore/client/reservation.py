@@ -51,6 +51,7 @@ class Reservation:
         return its writable byte view. ``kind``/``dtype``/``shape`` describe the value for readers."""
         if self._done:
             raise InvalidArgumentError("this reservation is already committed or aborted")
+        self._store._check_batch(len(self._handles) + 1, "a reservation")
         object_meta = ObjectMeta(key=validate_key(key), size=_check_nbytes(nbytes), kind=kind, dtype=dtype,
                                  shape=shape, producer=self._store.producer, ttl=self._ttl,
                                  user=validate_user_meta(meta))
@@ -59,6 +60,20 @@ class Reservation:
         self._handles.append(handle)
         self._views.append(view)
         return view
+
+    def drop(self, key: str) -> None:
+        """Give back the object reserved for ``key``: nothing of it becomes visible; the others stay reserved."""
+        if self._done:
+            raise InvalidArgumentError("this reservation is already committed or aborted")
+        i = next((i for i, m in enumerate(self._metas) if m.key == key), None)
+        if i is None:
+            raise InvalidArgumentError(f"{key!r} is not reserved in this reservation")
+        try:
+            self._views.pop(i).release()
+        except BufferError:
+            pass  # the caller still exports it; it goes when they do
+        self._metas.pop(i)
+        self._store._abort_reserved([self._handles.pop(i)], quiet=True)
 
     @property
     def views(self) -> list[memoryview]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvstore.errors import (
     ChecksumError,
+    InvalidArgumentError,
     KVStoreError,
     ProtocolError,
     StoreConnectionError,
@@ -36,10 +37,12 @@ from kvstore.transports.tcp import tune
 _BUFFER = 64 << 10
 
 
+MAX_TIMEOUT = 86400.0 * 365  # seconds; past what the platform's time_t takes, settimeout overflows
+
 class Connection:
     def __init__(self, endpoint: Endpoint, timeout: float):
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT:
+            raise InvalidArgumentError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {timeout!r}")
         self.endpoint, self.timeout = endpoint, timeout
         self._lock = threading.Lock()
         self._ids = itertools.count(1)

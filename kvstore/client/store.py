@@ -42,6 +42,9 @@ class KVStore(ABC):
     :class:`~kvstore.KeyNotFoundError`, never an empty value."""
 
     producer: str = ""
+    #: the most objects one batch (batch_put, batch_reserve, put_pages, wait) may hold here; None: no bound.
+    #: Checked before anything is sent or reserved, so a batch over it changes nothing (InvalidArgumentError).
+    max_batch: int | None = None
 
     # ---- construction -------------------------------------------------------------------------------
     @staticmethod
@@ -89,6 +92,7 @@ class KVStore(ABC):
         """Store several objects, all or nothing: they become visible together (in order) when every byte
         of every one is written; if one fails, none is visible and all their space is freed."""
         items = list(items)
+        self._check_batch(len(items), "batch_put")
         flags = PutFlags(ephemeral=ephemeral)
         if any(gpu.is_device_value(value) for _, value in items):
             device = self._require_device()
@@ -121,6 +125,7 @@ class KVStore(ABC):
         """Reserve several objects and yield their views; all of them commit together at exit (in order),
         or none does (an exception inside, a failed commit, this process dying)."""
         items = list(items)
+        self._check_batch(len(items), "batch_reserve")
         if metas is not None and len(metas) != len(items):
             raise InvalidArgumentError(f"batch_reserve got {len(items)} items but {len(metas)} metas")
         with self.reservation(ttl=ttl, ephemeral=ephemeral) as batch:
@@ -231,11 +236,18 @@ class KVStore(ABC):
         """Block until one of ``keys`` is committed (notified, not polled); returns it, or None at timeout."""
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 3600:
             raise InvalidArgumentError(f"timeout must be between 0 and 3600 seconds, got {timeout!r}")
-        return self._wait([validate_key(k) for k in keys], float(timeout))
+        keys = [validate_key(k) for k in keys]
+        self._check_batch(len(keys), "wait")
+        return self._wait(keys, float(timeout))
 
     def inspect(self, key: str) -> dict:
         """Size, dtype/shape, checksum, state, leases, age, TTL, segment and offset of one object."""
         return self._inspect(validate_key(key))
+
+    def _check_batch(self, n: int, what: str) -> None:
+        if self.max_batch is not None and n > self.max_batch:
+            raise InvalidArgumentError(f"{what} of {n} objects: this store takes at most {self.max_batch} in one "
+                                       f"batch (one request); nothing was sent. Split it (each batch is atomic)")
 
     # ---- device memory ------------------------------------------------------------------------------
     def device_memory(self) -> DeviceMemory | None:

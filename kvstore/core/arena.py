@@ -82,8 +82,11 @@ class ArenaLedger:
         least = first.aligned(max(need, 1))
         if least > max(self.allocators[i].capacity for i in segments):
             raise ObjectTooLargeError(f"a put of {need} bytes exceeds the store's capacity")
-        self.quota.check_hold(name, state.held_bytes, least, "arena")
-        may_evict = self.quota.may_evict_for(state.pending_bytes + least)
+        usage = self.usage(client)  # the client's and its peer's
+        for who, _, held_bytes, _ in usage:
+            self.quota.check_hold(who, held_bytes, least, "arena")
+        may_evict = all(self.quota.may_evict_for(pending + least) for _, pending, _, _ in usage)
+        most_held = max(u[2] for u in usage)
         capacity = sum(self.allocators[i].capacity for i in segments)
         full = first.aligned(max(nbytes, 1))
         # a whole arena only out of free space the cache is not evicting into, in one extent (nothing is moved or
@@ -91,15 +94,16 @@ class ArenaLedger:
         # a full cache's holes fragments it)
         whole = full > least and self._used(segments) + full <= self.low * capacity \
             and max(self.allocators[i].largest_free() for i in segments) >= full and not (
-            self.quota.max_held_bytes is not None and state.held_bytes
-            and state.held_bytes + full > self.quota.max_held_bytes)
+            self.quota.max_held_bytes is not None and most_held
+            and most_held + full > self.quota.max_held_bytes)
         if may_evict and self._used(segments) + least > self.high * capacity:
             self._evict_until(int(self.low * capacity) - least, segments)
         found = self._allocate(full, segments, evict=False) if whole else None
         if found is None:
             found = self._allocate(least, segments, evict=may_evict)
         if found is None:
-            raise self.quota.refuse_eviction(name, state.pending_bytes, least)
+            who, pending = max(((u[0], u[1]) for u in usage), key=lambda u: u[1])
+            raise self.quota.refuse_eviction(who, pending, least)
         segment, offset = found
         size = self.allocators[segment].size_of(offset)
         arena = Arena(next(self._ids), client, segment, {offset: size})

@@ -160,6 +160,7 @@ class _Client:
     id: int
     name: str
     last_seen: float
+    peer: str = ""  # whose sessions share its quota (one process), "" for none
     puts: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
     ephemeral: dict[str, int] = field(default_factory=dict)  # key -> replica id
@@ -203,6 +204,7 @@ class Master(ArenaLedger):
         self._pending: dict[int, Replica] = {}
         self._leases: dict[int, Lease] = {}
         self._clients: dict[int, _Client] = {}
+        self._peers: dict[str, set[int]] = {}  # peer -> its registered clients (sessions)
         self._quarantine: dict[int, list[Replica]] = {}  # revoked client -> replicas it may still touch
         self.quota = quota or ClientQuota()
         self._expiry: list[tuple[float, int, str]] = []
@@ -217,9 +219,13 @@ class Master(ArenaLedger):
         self._arena_init()
 
     # ---- clients ------------------------------------------------------------------------------------
-    def register_client(self, name: str = "") -> int:
+    def register_client(self, name: str = "", peer: str = "") -> int:
+        """A new client; ``peer`` names whose clients share the quota as well as each having it (the sessions of
+        one process): the limits apply to each client and to the sum over its peer's."""
         cid = next(self._ids)
-        self._clients[cid] = _Client(cid, name, self.clock())
+        self._clients[cid] = _Client(cid, name, self.clock(), peer)
+        if peer:
+            self._peers.setdefault(peer, set()).add(cid)
         return cid
 
     def heartbeat(self, client: int) -> None:
@@ -234,6 +240,11 @@ class Master(ArenaLedger):
         state = self._clients.pop(client, None)
         if state is None:
             return 0, 0
+        group = self._peers.get(state.peer)
+        if group is not None:
+            group.discard(client)
+            if not group:
+                del self._peers[state.peer]
         held: list[Replica] = []
         for put_id in list(state.puts):
             if quarantine:
@@ -293,13 +304,16 @@ class Master(ArenaLedger):
             where = "" if len(self._tier_segments) == 1 else f" ({tier.value} tier)"
             raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {capacity}{where}")
         state = self._client(client)
-        self.quota.check_hold(state.name or str(client), state.held_bytes, reserved, "reservation")
-        may_evict = self.quota.may_evict_for(state.pending_bytes + reserved)
+        usage = self.usage(client)
+        for who, _, held, _ in usage:
+            self.quota.check_hold(who, held, reserved, "reservation")
+        may_evict = all(self.quota.may_evict_for(pending + reserved) for _, pending, _, _ in usage)
         if may_evict and self._used(segments) + reserved > self.high * capacity:
             self._evict_until(int(self.low * capacity) - reserved, segments)
         found = self._allocate(meta.size, segments, evict=may_evict)
         if found is None:
-            raise self.quota.refuse_eviction(state.name or str(client), state.pending_bytes, reserved)
+            who, pending = max(((u[0], u[1]) for u in usage), key=lambda u: u[1])
+            raise self.quota.refuse_eviction(who, pending, reserved)
         segment, offset = found
         replica = Replica(next(self._ids), meta, segment, offset, self.allocators[segment].size_of(offset),
                           client, pinned=pin, if_absent=if_absent, ephemeral=ephemeral)
@@ -369,10 +383,13 @@ class Master(ArenaLedger):
 
     def lease(self, key: str, client: int) -> Lease:
         state = self._client(client)
-        self.quota.check_lease(state.name or str(client), len(state.leases))
+        usage = self.usage(client)
+        for who, _, _, leases in usage:
+            self.quota.check_lease(who, leases)
         replica = self.lookup(key)
         if replica.id not in state.leased:
-            self.quota.check_hold(state.name or str(client), state.held_bytes, replica.reserved, f"lease of {key!r}")
+            for who, _, held, _ in usage:
+                self.quota.check_hold(who, held, replica.reserved, f"lease of {key!r}")
             state.leased_bytes += replica.reserved
         state.leased[replica.id] = state.leased.get(replica.id, 0) + 1
         lease = Lease(next(self._ids), replica, client)
@@ -464,6 +481,18 @@ class Master(ArenaLedger):
                                 "used_bytes": self._used(segs), "segments": list(segs)}
                       for t, segs in sorted(self._tier_segments.items(), key=lambda kv: kv[1])},
         }
+
+    def usage(self, client: int) -> list[tuple[str, int, int, int]]:
+        """What the quota is checked against: (who, pending bytes, held bytes, leases) of ``client`` and, when
+        other clients share its peer, of all of them together."""
+        state = self._client(client)
+        mine = [(state.name or str(client), state.pending_bytes, state.held_bytes, len(state.leases))]
+        group = self._peers.get(state.peer) if state.peer else None
+        if group is None or len(group) < 2:
+            return mine
+        members = [self._clients[c] for c in group]
+        return mine + [(f"peer {state.peer} ({len(members)} sessions)", sum(m.pending_bytes for m in members),
+                        sum(m.held_bytes for m in members), sum(len(m.leases) for m in members))]
 
     # ---- internals ----------------------------------------------------------------------------------
     def _client(self, client: int) -> _Client:

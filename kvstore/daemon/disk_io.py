@@ -97,6 +97,11 @@ class DiskService:
             raise
         finally:
             region.release()
+        if not self.disk.is_current(obj):
+            # removed, or superseded by a newer put, while it was being read: committing it now would bring
+            # back a removed key with its older bytes. The caller looks again (memory, then disk).
+            master.abort(replica.id)
+            return True
         self.tiering.promoting(replica.id, obj)
         try:
             master.commit(replica.id, meta.checksum)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.core.tiering import describe_disk_object
 from kvstore.errors import KeyNotFoundError, ObjectTooLargeError
+from kvstore.protocol import wire
 
 if TYPE_CHECKING:
     from kvstore.daemon.disk_io import DiskService
@@ -47,6 +48,8 @@ class DiskOps:
             except KeyNotFoundError:
                 pass  # evicted again at once (memory too small): serve it from disk
         if f["mode"] != "stream":
+            if not disk.contains(f["key"]):  # removed while its promotion ran
+                raise KeyNotFoundError(f"key {f['key']!r} not found")
             raise ObjectTooLargeError(f"key {f['key']!r} is on disk and does not fit in memory, so it cannot be "
                                       f"mapped ({f['mode']} path); read it with a stream path (tcp)")
         meta, buf = await disk.read(f["key"])
@@ -77,7 +80,8 @@ class DiskOps:
 
     async def op_disk_ls(self, rid: int, f: dict) -> dict:
         keys = sorted(set(self.master.keys(f["prefix"])).union(self._disk.disk.keys(f["prefix"])))
-        return self._ok(rid, value=keys[:f["limit"]], total=len(keys))
+        page, more = wire.page_of_keys(keys, f["after"], f["limit"])
+        return self._ok(rid, value=page, total=len(keys), more=more)
 
     async def op_disk_inspect(self, rid: int, f: dict) -> dict:
         try:

@@ -79,3 +79,52 @@ class ConnectionLimits:
             self._logged[kind] = now
             more = self._refused.pop(kind) - 1
             log.warning("%s%s", message, f" ({more} more refused since the last such line)" if more else "")
+
+
+class LogBudget:
+    """A rate limit on one kind of log line, per source: at most ``burst`` lines every ``every`` seconds for one
+    key; the lines held back are counted, and the count is told by the next line that goes out (a client that
+    sends thousands of refused requests a second must not fill the disk with the daemon's log)."""
+
+    def __init__(self, burst: int = 10, every: float = 5.0):
+        self.burst, self.every = burst, every
+        self._windows: dict[str, list] = {}  # key -> [window start, lines logged in it, lines held back]
+        self.held_back = 0
+
+    def take(self, key: str) -> int | None:
+        """None: do not log this one (it is counted); else log it, telling how many were held back before it."""
+        now = time.monotonic()
+        window = self._windows.get(key)
+        if window is None or now - window[0] >= self.every:
+            held = window[2] if window is not None else 0
+            if len(self._windows) > 4096:  # sources come and go: forget the quiet ones
+                self._windows = {k: w for k, w in self._windows.items() if now - w[0] < self.every}
+            self._windows[key] = [now, 1, 0]
+            return held
+        if window[1] < self.burst:
+            window[1] += 1
+            held, window[2] = window[2], 0
+            return held
+        window[2] += 1
+        self.held_back += 1
+        return None
+
+
+class AuthBackoff:
+    """Failed authentications of one peer are answered later and later (``first`` seconds, doubling up to
+    ``most``); a peer with no failure for ``forget`` seconds starts over. Guessing a token then costs seconds an
+    attempt from each peer, not a round trip."""
+
+    def __init__(self, first: float = 0.1, most: float = 2.0, forget: float = 60.0):
+        self.first, self.most, self.forget = first, most, forget
+        self._failures: dict[str, tuple[int, float]] = {}  # peer -> (failures in a row, when the last was)
+
+    def failed(self, peer: str) -> float:
+        """Count a failure of ``peer``; returns the seconds to wait before answering it."""
+        now = time.monotonic()
+        count, last = self._failures.get(peer, (0, now))
+        count = 1 if now - last > self.forget else count + 1
+        if len(self._failures) > 4096:
+            self._failures = {k: v for k, v in self._failures.items() if now - v[1] <= self.forget}
+        self._failures[peer] = (count, now)
+        return min(self.most, self.first * 2 ** (count - 1))

@@ -7,9 +7,10 @@ corrupt other clients' objects, or change under the view. So the master keeps th
 (``Master.drop_client(quarantine=True)``) and this module watches the process: the peer's pid comes from
 ``SO_PEERCRED`` on the Unix socket, a pidfd (``os.pidfd_open``) on the event loop becomes readable when the
 process exits, and then ``Master.release_quarantine`` frees the space. Where no pidfd can be had (no
-``pidfd_open``, descriptors exhausted) the pid is polled from the daemon's housekeeping instead. A client with
-no known pid (a same-host client on TCP) keeps its quarantine until the daemon stops; how much one client can
-hold at all is bounded by ``--max-held-bytes``.
+``pidfd_open``, descriptors exhausted) the pid is polled from the daemon's housekeeping instead. A TCP client
+gets a mapping transport only once its process is known (:func:`tcp_peer_cred`: the other end of the
+connection is a socket of this host's network namespace, held by a process whose descriptors the daemon may
+read); a client whose pid cannot be had never maps memory, so no quarantine waits on an unknown process.
 
 TCP clients need none of this: the daemon's own stream copy is what writes, and it is cancelled first.
 """
@@ -22,6 +23,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv6Address, ip_address
 
 from kvstore.core.master import Master
 
@@ -46,6 +48,70 @@ def peer_cred(sock: socket.socket) -> PeerCred | None:
     except OSError:
         return None
     return PeerCred(pid if pid > 0 else None, uid, gid)
+
+
+def tcp_peer_cred(sock: socket.socket) -> PeerCred | None:
+    """The process at the other end of a TCP connection when it runs on this host (same network namespace)
+    and its descriptors are readable here (same user, or a daemon running as root); None otherwise. Scans
+    /proc: run it off the event loop."""
+    try:
+        peer, local = ip_address(sock.getpeername()[0]), sock.getsockname()
+        peer_port, local_addr, local_port = sock.getpeername()[1], ip_address(local[0]), local[1]
+    except (OSError, ValueError):
+        return None
+    found = _socket_row(peer, peer_port, local_addr, local_port)
+    if found is None:
+        return None
+    uid, inode = found
+    pid = _holder_of(inode, uid)
+    return None if pid is None else PeerCred(pid, uid, -1)
+
+
+def _proc_net_addr(addr: IPv4Address | IPv6Address, port: int) -> str:
+    # /proc/net/tcp{,6} print each 32-bit word of the address as the CPU stores it
+    packed = addr.packed
+    return "".join(f"{w:08X}" for w in struct.unpack(f"={len(packed) // 4}I", packed)) + f":{port:04X}"
+
+
+def _socket_row(peer, peer_port: int, local, local_port: int) -> tuple[int, int] | None:
+    """(uid, inode) of this host's socket whose local end is ``peer`` and remote end is ``local``."""
+    tables = []
+    for a, b in ((peer, local), (getattr(peer, "ipv4_mapped", None), getattr(local, "ipv4_mapped", None))):
+        if a is not None and b is not None:
+            name = "tcp6" if a.version == 6 else "tcp"
+            tables.append((name, _proc_net_addr(a, peer_port), _proc_net_addr(b, local_port)))
+    for name, want_local, want_remote in tables:
+        try:
+            with open(f"/proc/net/{name}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[1] == want_local and cols[2] == want_remote:
+                return int(cols[7]), int(cols[9])
+    return None
+
+
+def _holder_of(inode: int, uid: int) -> int | None:
+    """A process of user ``uid`` holding the socket ``inode`` (the first found, if several share it)."""
+    target = f"socket:[{inode}]"
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry}/fd/{fd}") == target:
+                    return int(entry)
+            except OSError:
+                continue
+    return None
 
 
 class PidWatch:

@@ -353,8 +353,9 @@ class Server:
             raise TransportError(f"transport {requested!r} is not served here; this daemon serves "
                                  f"{list(served)}{_SERVE_HINTS.get(requested, '')}")
         if requested in SAME_HOST_ONLY and not same_host:
+            where = client_host or "a host (or in a process) the daemon cannot verify"
             raise TransportError(f"transport {requested!r} needs the client on the daemon's host ({self.host_id}); "
-                                 f"client {peer} is on {client_host or 'an unknown host'}")
+                                 f"client {peer} is on {where}")
         return requested
 
     def session_closed(self, session: Session) -> None:
@@ -370,8 +371,10 @@ class Server:
         out["clients_by_transport"] = {}
         for s in self.sessions:
             out["clients_by_transport"][s.transport] = out["clients_by_transport"].get(s.transport, 0) + 1
-        out["connections"] = [{"client": s.name, "peer": s.peer, "transport": s.transport, "path": s.data_path}
-                              for s in list(self.sessions)[:256]]
+        # bounded whatever the clients call themselves: 256 sessions of names cut to 128 characters fit a frame
+        out["connections"] = [{"client": _cut(s.name), "peer": _cut(s.peer), "transport": s.transport,
+                               "path": _cut(s.data_path)} for s in list(self.sessions)[:256]]
+        out["connections_total"] = len(self.sessions)
         out["transports"] = list(self.served_transports)
         if self.gpu is not None:
             out["gpu"] = self.gpu.info()
@@ -407,6 +410,10 @@ class Server:
                 futs.remove(fut)
                 if not futs:
                     del self.waiters[key]
+
+
+def _cut(text: str, most: int = 128) -> str:
+    return text if len(text) <= most else text[:most] + f"...(+{len(text) - most})"
 
 
 def _remove_stale_socket(path: str) -> None:

@@ -26,11 +26,13 @@ from kvstore.daemon.frames import FrameOps
 from kvstore.daemon.gpu_ops import GpuOps
 from kvstore.daemon.guards import PeerGone, SessionGuards
 from kvstore.daemon.handshake import Handshake
-from kvstore.daemon.quarantine import MAPS_MEMORY, PidWatch, peer_cred
+from kvstore.daemon.limits import AuthBackoff, LogBudget
+from kvstore.daemon.quarantine import MAPS_MEMORY, PidWatch, peer_cred, tcp_peer_cred
 from kvstore.daemon.ucx_ops import UcxOps
 from kvstore.errors import (
     AuthenticationError,
     ChecksumError,
+    FrameTooLargeError,
     InvalidArgumentError,
     KVStoreError,
     ObjectTooLargeError,
@@ -50,6 +52,9 @@ _INLINE_REPLY = 64 << 10  # stream replies up to this size go out in one send wi
 _HASH_PIECE = 256 << 10
 
 
+#: one daemon per process: these span its sessions, so that many connections of one peer share them
+_FAILURE_LOG = LogBudget()  # refused requests: a few lines per peer every few seconds, the rest counted
+_AUTH_BACKOFF = AuthBackoff()
 Handler = Callable[[int, dict], Awaitable[dict | None]]  # (request id, validated fields) -> reply or None
 
 
@@ -77,6 +82,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
         self._watch: PidWatch | None = None  # the client's process, once it authenticates on a mapping transport
         self._task: asyncio.Task | None = None
         self._closed = False
+        self._refused = 0  # requests refused with a typed error
 
     # ---- framing ------------------------------------------------------------------------------------
     async def _fill(self, n: int) -> None:
@@ -223,24 +229,43 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
                 raise ProtocolError(f"op {op!r} is not served by this daemon")
             reply = await handler(rid, fields)
             result = "ok"
-        except _Closed:
+        except (_Closed, PeerGone, ConnectionError):  # the peer went away: a disconnect, not a failed request
             raise
         except KVStoreError as exc:
             result = exc.code
-            log.info("client %s op %s failed: %s", self.peer, op, exc)
-            reply = wire.error_reply(rid, exc)
-            if self._unread_payload:
-                await self._drain_put(message, exc)
-            if isinstance(exc, AuthenticationError):
-                await self._send(reply)
-                raise _Closed("authentication failed") from None
+            reply = await self._refuse(rid, op, message, exc)
         except Exception as exc:  # a bug: report it, keep serving everyone
             result = "Server"
             log.exception("client %s op %s crashed", self.peer, op)
             reply = wire.error_reply(rid, ServerError(f"internal error in {op}: {type(exc).__name__}: {exc}"))
         self.metrics.op(op if op in wire.SCHEMA else "unknown", result, time.perf_counter() - started)
         if reply is not None and not message.get("noreply"):
+            try:
+                await self._send(reply)
+            except FrameTooLargeError as exc:  # nothing was sent: the request gets the error, the connection lives
+                log.warning("client %s op %s: reply not sent: %s", self.peer, op, exc)
+                await self._send(wire.error_reply(rid, exc))
+
+    async def _refuse(self, rid: int, op: str, message: dict, exc: KVStoreError) -> dict:
+        """The error reply of a refused request, logged within the peer's budget (a session's first refusal
+        always; then a few a peer every few seconds, the rest counted). A refused hello token is answered after
+        the peer's back-off, and an authentication failure ends the session."""
+        auth = isinstance(exc, AuthenticationError)
+        delay = _AUTH_BACKOFF.failed(self.peer_key) if auth and op == "hello" else 0.0  # guessing costs time
+        held = _FAILURE_LOG.take(self.peer_key) if self._refused else 0
+        self._refused += 1
+        if held is not None:
+            log.info("client %s op %s failed: %s%s%s", self.peer, op, exc,
+                     f" (answered after {delay:.1f} s)" if delay else "",
+                     f" ({held} more refused requests of this peer not logged)" if held else "")
+        reply = wire.error_reply(rid, exc)
+        if self._unread_payload:
+            await self._drain_put(message, exc)
+        if auth:
+            await asyncio.sleep(delay)
             await self._send(reply)
+            raise _Closed("authentication failed") from None
+        return reply
 
     async def _drain_put(self, message: dict, exc: Exception) -> None:
         """A refused stream put still has its payload in flight: skip it, or close if it cannot be trusted."""
@@ -287,13 +312,17 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
     async def op_hello(self, rid: int, f: dict) -> dict:
         server = self.ctx
         self.handshake.check_hello(f)
-        self.transport = server.choose_transport(f["transport"], f["host"], self.peer, f["transports"])
-        self.client_host = f["host"]
+        host = await self._verified_host(f["host"])
+        transport = server.choose_transport(f["transport"], host, self.peer, f["transports"])
+        if self.client is not None and transport != self.transport:  # the watch below is set up once, at the first
+            raise InvalidArgumentError(f"a second hello cannot switch this connection from {self.transport} to "
+                                       f"{transport}; open a new connection")
+        self.transport, self.client_host = transport, host
         if self.client is None:
             self.cancel_auth_deadline()
-            if self.transport in MAPS_MEMORY and self.cred is not None and self.cred.pid is not None:
+            if self.transport in MAPS_MEMORY:  # _verified_host made sure the pid is known
                 self._watch = PidWatch(self.cred.pid)  # watched from now: a recycled pid is never mistaken for it
-            self.client = server.master.register_client(f["client"])
+            self.client = server.master.register_client(f["client"], peer=self._quota_peer())
             if len(self._buf) < _BUFFER:  # authenticated: the full-size buffer
                 self._buf = self._buf[self._start:self._end] + bytearray(_BUFFER - (self._end - self._start))
                 self._start, self._end = 0, self._end - self._start
@@ -304,6 +333,23 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
                         heartbeat_s=server.config.heartbeat_timeout, pid=server.pid, generation=server.generation,
                         arena_bytes=server.config.arena_size if self.transport in ("shm", "cuda_ipc") else 0,
                         transports=list(server.served_transports))
+
+    async def _verified_host(self, claimed: str) -> str:
+        """The client's host as far as the daemon can tell: a claim to be on the daemon's own host counts only
+        once the client's process is known (SO_PEERCRED, or the TCP peer found in /proc), because a client that
+        maps the segments must be watched for its quarantine to end; otherwise "" (a remote client)."""
+        if claimed != self.ctx.host_id:
+            return claimed
+        if self.cred is None and self.sock.family != socket.AF_UNIX:
+            self.cred = await self.loop.run_in_executor(None, tcp_peer_cred, self.sock)
+        return claimed if self.cred is not None and self.cred.pid is not None else ""
+
+    def _quota_peer(self) -> str:
+        """Whose sessions share the per-client limits as well as each having them: one process where the kernel
+        named it (uid and pid), else a Unix-socket user or a TCP address."""
+        if self.cred is not None and self.cred.pid is not None:
+            return f"uid {self.cred.uid} pid {self.cred.pid}"
+        return self.peer_key
 
     async def op_ping(self, rid: int, f: dict) -> dict:
         return self._ok(rid)
@@ -435,7 +481,8 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
 
     async def op_ls(self, rid: int, f: dict) -> dict:
         keys = self.master.keys(f["prefix"])
-        return self._ok(rid, value=keys[:f["limit"]], total=len(keys))
+        page, more = wire.page_of_keys(keys, f["after"], f["limit"])
+        return self._ok(rid, value=page, total=len(keys), more=more)
 
     async def op_wait(self, rid: int, f: dict) -> dict:
         # watch the connection meanwhile: a client gone mid-wait frees its session at once

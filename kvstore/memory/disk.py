@@ -3,11 +3,12 @@ crash recovery from the files' headers (``kvstore.memory.disk_dir``), and a lock
 
 Writes are copied into a bounded staging area and written by one thread as large sequential writes
 (``O_DIRECT`` + ``fdatasync`` from page-aligned staging; see ``kvstore.memory.disk_file`` for the format
-and the README for the measurement behind the choice), so the caller (an eviction on the daemon's loop)
-never waits for the device unless the writer falls more than ``staging_bytes`` behind. Reads copy straight
-into the caller's buffer (``O_DIRECT`` through a page-aligned bounce buffer, since the caller's buffer need
-not be aligned) and check the checksum. The disk never holds more than ``capacity`` bytes, staged
-writes included.
+and the README for the measurement behind the choice), so the caller never waits for the device unless the
+writer falls more than ``staging_bytes`` behind; then it waits up to ``stall_s`` for room, and the daemon, whose
+evictions run on its event loop, sets that to 0: the object is dropped from the tier at once (``disk_behind``).
+Reads copy straight into the caller's buffer (``O_DIRECT`` through a page-aligned bounce buffer, since the
+caller's buffer need not be aligned) and check the checksum. The disk never holds more than ``capacity`` bytes,
+staged writes included.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class DiskConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     staging_bytes: int = 256 << 20  # bytes of writes queued ahead of the device
-    stall_s: float = 10.0  # how long a write waits for staging room before it is dropped
+    stall_s: float = 10.0  # how long a write waits for staging room before it is dropped (0: never waits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -128,7 +129,7 @@ class DiskTier:
         self._closing = False
         self._writer: threading.Thread | None = None
         self.counters = dict.fromkeys(("disk_writes", "disk_reads", "disk_errors", "disk_dropped", "disk_full",
-                                       "disk_evictions"), 0)
+                                       "disk_evictions", "disk_behind"), 0)
         try:
             self.recovery = self._recover()
         except BaseException:
@@ -142,8 +143,11 @@ class DiskTier:
         room, or the writer too far behind)."""
         nbytes = file_bytes(key, meta, len(payload))
         with self._cond:
-            if self._closing or nbytes > self.capacity or not self._staging_room(len(payload)) \
-                    or not self._make_room(nbytes, exclude=key):
+            if not self._closing and nbytes <= self.capacity and not self._staging_room(len(payload)):
+                self.counters["disk_behind"] += 1  # the writer is a whole staging area behind (a slow disk)
+                self.counters["disk_dropped"] += 1
+                return False
+            if self._closing or nbytes > self.capacity or not self._make_room(nbytes, exclude=key):
                 self.counters["disk_dropped"] += 1
                 return False
             self._generation += 1
@@ -269,6 +273,12 @@ class DiskTier:
 
     def contains(self, key: str) -> bool:
         return self.get(key) is not None
+
+    def is_current(self, obj: DiskObject) -> bool:
+        """Whether ``obj`` (from ``get``) is still what the tier holds for its key: not removed, replaced,
+        superseded by a newer version or evicted since."""
+        with self._cond:
+            return self._objects.get(obj.key) is obj
 
     def wants_promotion(self, key: str) -> bool:
         """Whether the next read of ``key`` is the one that should copy it back into memory."""

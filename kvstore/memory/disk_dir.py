@@ -6,28 +6,39 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import time
 
 from kvstore.errors import DiskPathError
 from kvstore.memory.disk_file import SUFFIX, TMP_SUFFIX, Record, RecordError, read_record
 
 log = logging.getLogger("kvstore.memory.disk")
-LOCK_NAME = ".lock"
+LOCK_NAME = ".kvstore-disk.lock"
+#: the names the tier gives its files (``DiskObject.name``: a hash of the key and a generation), and their
+#: temporary names while written. Only files named so are the tier's: the directory may hold anything else (a
+#: user's own files), which recovery never reads, deletes or counts.
+_RECORD_NAME = re.compile(r"[0-9a-f]{32}-[0-9a-f]{16}" + re.escape(SUFFIX))
+_TMP_NAME = re.compile(r"\.[0-9a-f]{32}-[0-9a-f]{16}" + re.escape(SUFFIX + TMP_SUFFIX))
 
 
 def scan(path: str) -> tuple[list[Record], int]:
     """The complete records in ``path``, least recently written first, and how many torn or partial files
-    were deleted (``*.tmp`` leftovers of interrupted writes, records whose commit record does not match).
-    Expired records and older copies of a key are deleted too."""
+    were deleted (temporary files of interrupted writes, records whose commit record does not match).
+    Expired records and older copies of a key are deleted too. Files not named as the tier names its own are
+    left alone."""
     found: dict[str, tuple[Record, str, float]] = {}
-    dropped = 0
+    dropped = foreign = 0
     now = time.time()
     for entry in os.scandir(path):
-        if entry.name.endswith(TMP_SUFFIX):  # a write that never completed
+        if _TMP_NAME.fullmatch(entry.name):  # a write that never completed
             os.unlink(entry.path)
             dropped += 1
-        elif entry.name.endswith(SUFFIX):
+        elif _RECORD_NAME.fullmatch(entry.name):
             dropped += _scan_one(entry, found, now)
+        elif entry.name != LOCK_NAME:
+            foreign += 1
+    if foreign:
+        log.info("disk tier %s: %d files not written by the tier are left alone", path, foreign)
     return [r for r, _, _ in sorted(found.values(), key=lambda f: f[2])], dropped
 
 

@@ -11,6 +11,7 @@ request, or after a get reply that carries ``frames: size`` and ``codec``.
 
 from __future__ import annotations
 
+import bisect
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from kvstore.core.meta import MAX_KEY_BYTES, validate_key, validate_ttl
-from kvstore.errors import InvalidArgumentError, InvalidKeyError, ProtocolError
+from kvstore.errors import FrameTooLargeError, InvalidArgumentError, InvalidKeyError, ProtocolError
 from kvstore.protocol.compression import check_codec
 
 VERSION = 1
@@ -45,6 +46,9 @@ class DecodeLimits:
     containers: int
 
 
+#: The most objects (keys, put ids, arena entries) one request may name: ``batch_exists``, ``wait``,
+#: ``commit_many``, ``arena_commit``. A client checks it before it sends anything (``KVStore.max_batch``).
+MAX_BATCH = 4096
 #: containers one request may hold: an ``arena_commit`` of 4096 objects, each an entry, its meta, its user map
 #: and its shape, with two more maps or arrays of user metadata to spare (about 8 ms of decoding at most)
 COMMIT_CONTAINERS = 6 * 4096 + 256
@@ -60,8 +64,28 @@ REPLY_LIMITS = DecodeLimits(array=MAX_FRAME, map=1 << 16, str=MAX_FRAME, bin=MAX
 def encode(message: dict[str, Any]) -> bytes:
     body: bytes = msgpack.packb(message, use_bin_type=True)
     if len(body) > MAX_FRAME:
-        raise ProtocolError(f"frame of {len(body)} bytes exceeds the maximum of {MAX_FRAME}")
+        raise FrameTooLargeError(f"{message.get('op') or 'reply'}: a frame of {len(body)} bytes exceeds the "
+                                 f"maximum of {MAX_FRAME}")
     return LENGTH.pack(len(body)) + body
+
+
+#: the key bytes one ``ls`` reply carries at most: the rest of the frame is framing, so a listing of any size
+#: crosses in frames under MAX_FRAME (the client asks for the next page ``after`` the last key it got)
+LS_PAGE_BYTES = MAX_FRAME // 2
+
+
+def page_of_keys(keys: list[str], after: str, limit: int) -> tuple[list[str], bool]:
+    """The sorted ``keys`` that come after ``after`` ("" : from the first), at most ``limit`` of them and at most
+    LS_PAGE_BYTES of key bytes (one key at least); and whether more of the ``limit`` follow this page."""
+    start = bisect.bisect_right(keys, after) if after else 0
+    stop = min(len(keys), start + max(limit, 0))
+    end, size = start, 0
+    while end < stop:
+        size += 5 + 4 * len(keys[end])  # a str header and at most 4 bytes a character: no encoding pass
+        if size > LS_PAGE_BYTES and end > start:
+            break
+        end += 1
+    return keys[start:end], end < stop
 
 
 def frame_length(header: bytes | memoryview, limit: int = MAX_FRAME) -> int:
@@ -269,7 +293,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "remove": dict(_KEY),
     "inspect": dict(_KEY),
     "stats": {},
-    "ls": {"prefix": (lambda v, n: "" if v == "" else _str(v, n), False, ""), "limit": (_int, False, 100000)},
+    "ls": {"prefix": (lambda v, n: "" if v == "" else _str(v, n), False, ""), "limit": (_int, False, 100000),
+           "after": (lambda v, n: "" if v == "" else _str(v, n), False, "")},
     "wait": {"keys": (_keys, True, None), "timeout": (_seconds, True, None)},
     "ucx_connect": {"address": (_bin, True, None), "via": (_via, False, "auto")},
     "ucx_claim": {"conn": (_int, True, None)},

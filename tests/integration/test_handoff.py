@@ -307,3 +307,18 @@ def test_fetching_twice_says_already_fetched(hstore):
     with pytest.raises(kvstore.HandoffAbortedError, match="already fetched") as info:
         h.fetch("twice", zeros(8), [3, 4], timeout=2.0)
     assert "went away" not in str(info.value)
+
+
+def test_a_second_producer_of_a_prefix_never_replaces_its_chunks(hstore):
+    """Two prefill workers publish the same tokens with numerically different KV: the chunks the first stored
+    stay, its request fetches byte-exact, and the second request records (and gets) those same chunks."""
+    tokens = list(range(4 * BS))
+    first, second = child.caches(8, seed=1), child.caches(8, seed=2)
+    h = KVHandoff(hstore, LAYOUT, chunk_blocks=2)
+    h.publish("one", first, [0, 1, 2, 3], num_tokens=len(tokens), token_ids=tokens).wait()
+    h.publish("two", second, [0, 1, 2, 3], num_tokens=len(tokens), token_ids=tokens).wait()
+    for rid in ("one", "two"):
+        dst = zeros(8)
+        h.fetch(rid, dst, [4, 5, 6, 7], num_tokens=len(tokens))
+        for got, want in zip(blocks(dst, [4, 5, 6, 7]), blocks(first, [0, 1, 2, 3]), strict=True):
+            assert torch.equal(got, want), rid

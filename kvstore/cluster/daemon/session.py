@@ -13,6 +13,7 @@ from kvstore.core.master import Lease
 from kvstore.core.meta import ObjectMeta
 from kvstore.daemon.session import _INLINE_REPLY, Handler, Session
 from kvstore.errors import KeyExistsError, KeyNotFoundError, StoreConnectionError
+from kvstore.protocol import wire
 
 if TYPE_CHECKING:
     from kvstore.cluster.daemon.context import ClusterContext
@@ -148,7 +149,8 @@ class ClusterSession(Session):
         except (redis.RedisError, OSError):
             pass  # the directory is down: list what this node holds
         keys = sorted(keys)
-        return self._ok(rid, value=keys[:f["limit"]], total=len(keys))
+        page, more = wire.page_of_keys(keys, f["after"], f["limit"])
+        return self._ok(rid, value=page, total=len(keys), more=more)
 
     # ---- removal ------------------------------------------------------------------------------------
     async def op_remove(self, rid: int, f: dict) -> dict:

@@ -227,3 +227,19 @@ def test_serve_cluster_without_the_cluster_extra_names_the_extra(files):
     assert proc.returncode == 2, proc.stderr
     assert "kvstore[cluster]" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not os.path.exists(sock)
+
+
+def test_inspect_stats_and_requests_escape_control_characters(daemon_factory):
+    """Keys, client names and metadata are any client's bytes: the terminal never gets their escapes raw."""
+    import kvstore
+
+    d = daemon_factory(capacity="8MiB")
+    key = "evil\x1b[2J\u202ekey"
+    with kvstore.connect(d.unix_url, token=d.token, client_name="name\x1b]0;owned\x07") as s:
+        s.put(key, b"v", meta={"note": "\x1b[31mred"})
+        for args in (("inspect", key), ("stats",)):
+            proc = kv(*args, "--url", d.unix_url)
+            out, err = text(proc)
+            assert proc.returncode == 0, err
+            assert "\x1b" not in out and "\u202e" not in out and "\x07" not in out, out
+            assert "\\x1b" in out

@@ -4,10 +4,13 @@ corrupted files, a full disk, two daemons on one path, eviction order and capaci
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from conftest import Daemon, child_env, short_tmpdir, wait_until
@@ -288,3 +291,112 @@ def test_handoff_finds_chunks_that_left_memory_on_disk(kind, daemon_factory, dis
         assert h.lookup(tokens) == len(tokens)  # the prefix chunks are still found
     finally:
         store.close()
+
+
+# ---- issue 24, defect 2: a promotion racing a remove -------------------------------------------------------
+def _race_promotion_against_remove(reader: kvstore.KVStore, writer: kvstore.KVStore, delay: float) -> None:
+    """get(copy=False) of a disk-only key promotes it; meanwhile a newer version is put and the key removed."""
+    got: list = []
+
+    def read() -> None:
+        try:
+            view = reader.get("k", copy=False)
+            got.append(len(view))
+            view.release()
+        except KeyNotFoundError:
+            got.append(None)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    time.sleep(delay)
+    writer.put("k", b"newer")
+    assert writer.remove("k")
+    thread.join(60)
+    assert not thread.is_alive() and got
+
+
+@pytest.mark.parametrize("kind", ["embedded", "daemon-shm"])
+def test_a_removed_key_never_comes_back_from_a_promotion(kind, daemon_factory, disk_dir):
+    big = value(7, 48 * MiB)
+    if kind == "embedded":
+        writer = reader = kvstore.KVStore.embedded("64MiB", disk_path=disk_dir, disk_capacity="256MiB")
+    else:
+        d = daemon_factory(capacity="64MiB", args=disk_args(disk_dir, "256MiB"))
+        writer, reader = d.connect("shm"), d.connect("shm")
+    try:
+        for trial in range(8):
+            writer.put("k", big)
+            assert writer.evict("k")
+            assert wait_until(lambda: writer.stats()["disk_pending_writes"] == 0, 30)  # read back from the file
+            _race_promotion_against_remove(reader, writer, delay=0.001 * (trial % 4) * 2)
+            assert not writer.exists("k"), f"trial {trial}: the removed key is back ({writer.inspect('k')})"
+            with pytest.raises(KeyNotFoundError):
+                reader.get("k")
+    finally:
+        writer.close()
+        if reader is not writer:
+            reader.close()
+
+
+# ---- issue 24, defect 4: a disk that stops answering never stalls memory service ----------------------------
+def _stuck_write(path: str, key: str) -> str:
+    """A FIFO where the tier's writer will create the first file it writes (``key``'s, generation 1): opening it
+    blocks until a reader comes, as a write to a disk that stopped answering would."""
+    name = f"{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}-{1:016x}.kv"
+    fifo = os.path.join(path, f".{name}.tmp")
+    os.mkfifo(fifo)
+    return fifo
+
+
+def _drain(fifo: str) -> threading.Thread:
+    def read() -> None:
+        with open(fifo, "rb") as f:
+            while f.read(1 << 20):
+                pass
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_stuck_disk_drops_demotions_instead_of_stalling_the_daemon(daemon_factory, disk_dir):
+    d = daemon_factory(capacity="16MiB", args=disk_args(disk_dir, "1GiB"))
+    fifo = _stuck_write(disk_dir, "first")
+    size = 4 * MiB
+    with d.connect("shm") as s, d.connect("tcp") as other:
+        s.put("first", value(0, size))
+        for i in range(1, 65):  # about the 256 MiB staging area: the writer is stuck on the first object
+            s.put(f"fill/{i}", value(i, size))
+        behind = s.stats().get("disk_behind", 0)
+        started = time.monotonic()
+        for i in range(65, 125):  # each evicts one more object; none may wait for the stuck writer
+            s.put(f"fill/{i}", value(i, size))
+            other.ping()
+        # a deadline bound only (did not hang): each of these waited 1 s for staging room before the fix
+        assert time.monotonic() - started < 30
+        stats = s.stats()
+        assert stats["disk_behind"] - behind >= 50 and stats["disk_dropped"] >= stats["disk_behind"], stats
+        assert bytes(other.get("fill/124")) == value(124, size)
+    _drain(fifo)
+
+
+# ---- issue 24, defect 3: --disk-path leaves files it did not write alone -----------------------------------
+def test_files_the_tier_did_not_write_are_left_alone(daemon_factory, disk_dir):
+    mine = {"notes.tmp": b"a user's notes", "data.kv": b"not a kvstore record", ".lock": b"someone else's lock",
+            "model.kv.tmp": b"half of a download", f"{'ab' * 16}.kv": b"a hex-named file"}
+    for name, content in mine.items():
+        with open(os.path.join(disk_dir, name), "wb") as f:
+            f.write(content)
+    d = daemon_factory(capacity="2MiB", args=disk_args(disk_dir, policy="write-through"))
+    with d.connect("shm") as s:
+        for i in range(16):  # 4 MiB through 2 MiB of memory: demotions and write-through records
+            s.put(f"k{i}", value(i))
+        assert wait_until(lambda: s.stats()["disk_pending_writes"] == 0, 30)
+    d.stop()
+    again = daemon_factory(capacity="2MiB", args=disk_args(disk_dir, policy="write-through"))  # recovery
+    with again.connect("tcp") as s:
+        assert bytes(s.get("k0")) == value(0)
+    for name, content in mine.items():
+        with open(os.path.join(disk_dir, name), "rb") as f:
+            assert f.read() == content, name
+    assert "5 files not written by the tier are left alone" in again.log()

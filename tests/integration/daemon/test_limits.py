@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import subprocess
+import sys
 
 import pytest
 from client_child import pattern  # noqa: E402
-from conftest import Daemon, MiB, hello_proof, wait_until
+from conftest import Daemon, MiB, child_env, hello_proof, wait_until
 
 import kvstore
 from kvstore.core.meta import ObjectMeta
@@ -183,6 +185,9 @@ def test_client_gone_during_wait_is_dropped_at_once(daemon_factory):
         good.put("soon", b"here")
         assert _reply(other)["value"] == "soon"
         other.close()
+    # a client gone during a wait is a normal disconnect, never an internal error (issue 24, defect 7)
+    assert d.log().count("closed its connection during a wait") == 10, d.log()
+    assert "crashed" not in d.log() and "Traceback" not in d.log(), d.log()
 
 
 # ---- defect 8: stalled transfers ---------------------------------------------------------------------------
@@ -252,9 +257,102 @@ def test_leases_per_client_are_capped(daemon_factory):
         with pytest.raises(kvstore.QuotaExceededError, match="max-leases"):
             with c.lease("k"):
                 pass
-        with other.lease("k"):  # another client has its own allowance
-            pass
+        with pytest.raises(kvstore.QuotaExceededError, match="max-leases"):  # another connection of this process
+            with other.lease("k"):  # shares it (another process has its own: test_leases_are_capped_per_process)
+                pass
         for lease in held:
             lease.__exit__(None, None, None)
         with c.lease("k"):
             pass
+
+
+# ---- issue 24: quotas per peer (one process), not only per connection --------------------------------------
+_GREEDY = """
+import sys
+import kvstore
+url, token, sessions, size, leases = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+stores = [kvstore.connect(url, token=token, transport="shm") for _ in range(sessions)]
+held, results = [], []
+for i, s in enumerate(stores):
+    batch = s.reservation()
+    try:
+        batch.add("greedy/%d" % i, size)
+        held.append(batch)
+        results.append("ok")
+    except kvstore.QuotaExceededError:
+        results.append("quota")
+    for j in range(leases):
+        try:
+            held.append(s.lease("shared"))
+            held[-1].__enter__()
+            results.append("lease")
+        except kvstore.QuotaExceededError:
+            results.append("lease-quota")
+print(" ".join(results), flush=True)
+sys.stdin.read()
+"""
+
+
+def _greedy(d: Daemon, sessions: int, size: int, leases: int = 0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _GREEDY, d.unix_url, d.token, str(sessions), str(size),
+                             str(leases)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env())
+
+
+def test_eight_sessions_of_one_process_share_one_quota(daemon_factory):
+    """Eight sessions of one process reserve 30 MiB each of a 256 MiB daemon: together they are held to one
+    client's limits (3/4 of the capacity held), so another client's puts still fit."""
+    d = daemon_factory(capacity="256MiB")
+    with d.connect("shm") as other:
+        for i in range(12):
+            other.put(f"mine/{i}", pattern(f"mine/{i}", 8 * MiB))
+        greedy = _greedy(d, sessions=8, size=30 * MiB)
+        try:
+            results = greedy.stdout.readline().decode().split()
+            assert results.count("ok") * 30 * MiB <= 192 * MiB and "quota" in results, results
+            other.put("legit", pattern("legit", 4 * MiB))
+            assert bytes(other.get("legit")) == pattern("legit", 4 * MiB)
+        finally:
+            greedy.communicate(b"", timeout=30)
+
+
+def test_leases_are_capped_per_process(daemon_factory):
+    d = daemon_factory(capacity="32MiB", args=("--max-leases", "8"))
+    with d.connect("tcp") as other:
+        other.put("shared", b"x" * 1024)
+        greedy = _greedy(d, sessions=4, size=1024, leases=4)
+        try:
+            results = greedy.stdout.readline().decode().split()
+            assert results.count("lease") == 8 and results.count("lease-quota") == 8, results
+            assert other.stats()["leases"] == 8
+        finally:
+            greedy.communicate(b"", timeout=30)
+
+
+# ---- issue 24: refused requests and wrong tokens do not flood the log ----------------------------------------
+def test_a_flood_of_refused_requests_is_logged_a_few_lines_at_a_time(daemon_factory):
+    d = daemon_factory(capacity="8MiB")
+    sock = _raw(d)
+    assert _hello(sock)["ok"]
+    for i in range(2000):
+        _send(sock, 10 + i, op="exists", key="")  # InvalidKey, each
+        assert _reply(sock)["error"] == "InvalidKey"
+    sock.close()
+    with d.connect("tcp") as s:
+        s.ping()
+        with pytest.raises(kvstore.KeyNotFoundError):
+            s.get("missing")
+    lines = [line for line in d.log().splitlines() if " failed: " in line]
+    assert 2 <= len(lines) <= 40, f"{len(lines)} lines"
+    assert "missing" in d.log()  # a new session's first refusal is always logged
+
+
+def test_wrong_tokens_are_answered_later_and_later(daemon_factory):
+    d = daemon_factory(capacity="8MiB")
+    for _ in range(4):
+        with pytest.raises(kvstore.AuthenticationError):
+            kvstore.connect(d.tcp_url, transport="tcp", token="wrong", timeout=10)
+    with d.connect("tcp") as s:  # the right token is served at once
+        s.ping()
+    delays = [line.rsplit("answered after ", 1)[1].split()[0] for line in d.log().splitlines()
+              if "wrong or missing token" in line]
+    assert delays == ["0.1", "0.2", "0.4", "0.8"], delays  # doubling for each failure in a row from one peer

@@ -5,13 +5,18 @@ touch comes back only when its process is gone.
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
 from client_child import pattern  # noqa: E402
-from conftest import MiB, wait_until
+from conftest import MiB, child_env, wait_until
+from test_bad_input import CLOSED, RawClient
 
 import kvstore
+from kvstore.protocol.url import host_id
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,3 +105,50 @@ def test_quarantine_is_bounded_per_client(daemon_factory, spawn):
         for v in views:
             v.release()
         assert bytes(s.get("obj/2")) == pattern("obj/2", 4 * MiB)  # once released, it reads again
+
+
+# ---- issue 24, defect 1: same-host clients over TCP ------------------------------------------------------------
+_KILLED_CLIENT = """
+import os, signal, sys
+import kvstore
+s = kvstore.connect(sys.argv[1], token=sys.argv[2], timeout=10)
+s.put("k%d" % os.getpid(), b"x" * 1024)
+print(s.stats()["transport"], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_sigkilled_same_host_tcp_clients_strand_nothing(daemon_factory):
+    """Twelve clients on the daemon's host, connected by tcp://127.0.0.1 (transport auto: they get shm and an
+    arena), put 1 KiB and are SIGKILLed: once they are gone nothing stays quarantined and the space is usable."""
+    d = daemon_factory(capacity="128MiB")
+    transports = []
+    for _ in range(12):
+        child = subprocess.run([sys.executable, "-c", _KILLED_CLIENT, d.tcp_url, d.token], env=child_env(),
+                               capture_output=True, timeout=60)
+        assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+        transports.append(child.stdout.decode().strip())
+    assert transports == ["shm"] * 12  # verified same-host clients keep the shared-memory path
+    with d.connect("shm") as s:
+        assert wait_until(lambda: s.stats()["quarantined_bytes"] == 0, 20), s.stats()
+        s.put("big", b"y" * (40 * MiB))
+        assert s.get_into("big", bytearray(40 * MiB)) == 40 * MiB
+
+
+def test_second_hello_cannot_switch_a_tcp_session_to_shm(daemon_factory):
+    d = daemon_factory(capacity="32MiB")
+    c = RawClient(d.tcp_url)
+    try:
+        assert c.hello(token=d.token, transport="tcp")["transport"] == "tcp"
+        reply = c.call({"op": "hello", "client": "raw-test", "transport": "shm", "host": host_id(),
+                        "pid": os.getpid(), "token": d.token})
+        assert reply != CLOSED and reply["ok"] is False and reply["error"] == "InvalidArgument", reply
+        assert "second hello" in reply["message"]
+        again = c.call({"op": "hello", "client": "raw-test", "transport": "tcp", "host": host_id(),
+                        "token": d.token})
+        assert again["ok"] and again["transport"] == "tcp"  # the same transport: still allowed
+        with d.connect("shm") as s:
+            clients = [x for x in s.stats()["connections"] if x["client"] == "raw-test"]
+            assert [x["transport"] for x in clients] == ["tcp"], clients
+    finally:
+        c.close()

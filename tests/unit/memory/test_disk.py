@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.errors import DiskPathError, DiskReadError, KeyNotFoundError
 from kvstore.memory.disk import DiskConfig, DiskTier
+from kvstore.memory.disk_dir import LOCK_NAME
 from kvstore.memory.disk_file import file_bytes
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,7 +40,7 @@ def store(tier: DiskTier, key: str, data: bytes, version: int = 1) -> bool:
 
 
 def files(path) -> list[str]:
-    return sorted(n for n in os.listdir(path) if n != ".lock")
+    return sorted(n for n in os.listdir(path) if n != LOCK_NAME)
 
 
 def test_store_read_back_and_recover_from_headers(tmp_path):
@@ -73,7 +74,7 @@ def test_torn_and_partial_files_are_dropped_at_recovery(tmp_path):
     with open(tmp_path / names[1], "r+b") as f:  # a header that no longer matches its commit record
         f.seek(40)
         f.write(b"\xff")
-    (tmp_path / ".abc-0001.kv.tmp").write_bytes(b"half a write")  # killed before the rename
+    (tmp_path / f".{'ab' * 16}-{1:016x}.kv.tmp").write_bytes(b"half a write")  # killed before the rename
     again = open_tier(tmp_path)
     try:
         assert again.recovery == {**again.recovery, "objects": 1, "dropped": 3}
