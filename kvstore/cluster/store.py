@@ -337,7 +337,8 @@ class ClusterStore(KVStore):
 
     def _batch_exists(self, keys: Sequence[str]) -> list[bool]:
         found = self._lookup(list(keys)) if keys else {}
-        return [bool(found[k]) for k in keys]
+        # a copy on a refused node (another token, or not the node it claims) cannot be read: it does not count
+        return [any(not self.pool.refused(e.node, e.epoch) for e in found[k]) for k in keys]
 
     def _evict(self, key: str) -> bool:
         return self._delegate(lambda c: c.evict(key))

@@ -153,6 +153,7 @@ def test_member_with_another_token_is_skipped_and_shown(cluster, tmp_path):
     with pytest.raises(kvstore.KeyNotFoundError):
         plain_a.get("wt/on-d")
     assert "D" in everywhere.stats()["cluster"]["refused"]
+    assert not everywhere.exists("wt/on-d") and not plain_a.exists("wt/on-d")  # listed, but nobody can read it
     assert wait_until(lambda: "D" in plain_a.stats()["cluster"]["refused"], 4 * TTL), cluster.logs()
     shown = subprocess.run([sys.executable, "-m", "kvstore.cli", "stats", "--url", cluster.nodes["A"].unix_url],
                            capture_output=True, text=True, timeout=60, env=child_env())
