@@ -144,6 +144,11 @@ class PeerPool:
                 raise
         return client
 
+    def refused(self, node: str, epoch: str) -> bool:
+        with self._lock:
+            mark = self._refused.get(node)
+            return mark is not None and mark[0] == epoch
+
     def refusals(self) -> dict[str, str]:
         """Nodes refused in the handshake (node -> why), for stats and metrics."""
         with self._lock:

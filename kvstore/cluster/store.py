@@ -6,11 +6,13 @@ URL: ``kvcluster://[:PASSWORD@]REDIS_HOST:PORT/DB[?node=NAME&placement=local|bal
 Sentinel; other query parameters go to the Redis client (e.g. ``ssl_ca_certs``).
 
 Reads: a key the home daemon (the member on this host, or ``node=``) holds is copied through its shared-memory
-index without a round trip; any other key costs one directory lookup (one Redis round trip; ``batch_get_into``
-and ``batch_exists`` share one per 512 keys) and is copied straight from a node holding it — one transfer,
-shared memory on this host, TCP elsewhere. A dead owner with no live copy left: KeyNotFoundError, bounded by
-``peer_timeout`` per owner tried (default the smaller of ``timeout`` and 5 s, the daemons' default; an
-unreachable node is skipped for a while after it timed out once). Redis calls are bounded by ``timeout``.
+index without a round trip, while the daemon renews its index lease (1.5 s; a stopped daemon's index is not
+trusted past it, so it cannot serve what others superseded or removed meanwhile); any other key costs one
+directory lookup (one Redis round trip; ``batch_get_into`` and ``batch_exists`` share one per 512 keys) and is
+copied straight from a node holding it — one transfer, shared memory on this host, TCP elsewhere. A dead owner
+with no live copy left: KeyNotFoundError, bounded by ``peer_timeout`` per owner tried (default the smaller of
+``timeout`` and 5 s, the daemons' default; an unreachable node is skipped for a while after it timed out once).
+Redis calls are bounded by ``timeout``.
 Writes: placement ``local`` (default) writes into the home daemon at shared-memory speed; ``balanced`` (or no
 member on this host) picks members weighted by free capacity. ``replicas=N`` writes N copies on distinct nodes
 (fewer if fewer are live). The daemons publish directory entries themselves, after they committed.
@@ -335,7 +337,8 @@ class ClusterStore(KVStore):
 
     def _batch_exists(self, keys: Sequence[str]) -> list[bool]:
         found = self._lookup(list(keys)) if keys else {}
-        return [bool(found[k]) for k in keys]
+        # a copy on a refused node (another token, or not the node it claims) cannot be read: it does not count
+        return [any(not self.pool.refused(e.node, e.epoch) for e in found[k]) for k in keys]
 
     def _evict(self, key: str) -> bool:
         return self._delegate(lambda c: c.evict(key))

@@ -19,12 +19,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import replace
 
 import msgpack
 import pytest
 from cluster_procs import NS, TTL, Cluster, ClusterDaemon, payload
-from conftest import child_env, short_tmpdir, wait_until
+from conftest import child_env, free_port, short_tmpdir, wait_until
 
 import kvstore
 from kvstore.cluster.daemon.session import INDEX_LEASE_S
@@ -137,7 +138,8 @@ def test_member_with_another_token_is_skipped_and_shown(cluster, tmp_path):
     other = tmp_path / "other-token"
     other.write_text("not-the-cluster-token\n")
     other.chmod(0o600)
-    d = ClusterDaemon(cluster.workdir, cluster.redis, cluster.redis.url, "D", token_file=str(other))
+    d = ClusterDaemon(cluster.workdir, cluster.redis, cluster.redis.url, "D", token_file=str(other),
+                      metrics_port=free_port())
     cluster.nodes["D"] = d
     d.start()
     with d.connect("tcp", token="not-the-cluster-token", timeout=5) as own:
@@ -151,10 +153,16 @@ def test_member_with_another_token_is_skipped_and_shown(cluster, tmp_path):
     with pytest.raises(kvstore.KeyNotFoundError):
         plain_a.get("wt/on-d")
     assert "D" in everywhere.stats()["cluster"]["refused"]
+    assert not everywhere.exists("wt/on-d") and not plain_a.exists("wt/on-d")  # listed, but nobody can read it
     assert wait_until(lambda: "D" in plain_a.stats()["cluster"]["refused"], 4 * TTL), cluster.logs()
     shown = subprocess.run([sys.executable, "-m", "kvstore.cli", "stats", "--url", cluster.nodes["A"].unix_url],
                            capture_output=True, text=True, timeout=60, env=child_env())
     assert shown.returncode == 0 and "REFUSED peer  D:" in shown.stdout, shown.stdout + shown.stderr
+
+    def metrics() -> str:  # D, in turn, refuses every member that cannot prove its token
+        return urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).read().decode()
+
+    assert wait_until(lambda: 'kvstore_cluster_refused_peers{node="A"} 1.0' in metrics(), 4 * TTL), metrics()
 
 
 def test_redis_stall_longer_than_the_node_ttl_loses_nothing(cluster):
