@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from kvstore import ops
-from kvstore.client.store import KVStore
+from kvstore.client import pages
+from kvstore.client.reservation import Reservation
+from kvstore.client.store import KVStore, PutFlags
 from kvstore.errors import ChecksumError, KeyNotFoundError, KVStoreError, StoreConnectionError
 from kvstore.integrations.vllm.keys import CacheLayout
 from kvstore.layout import KVLayout, KVLayoutKind
@@ -98,16 +100,21 @@ class BlockIO:
         return ids
 
     # ---- saves ----------------------------------------------------------------------------------------
-    def save(self, store: KVStore, items: Sequence[tuple[str, int]], ttl: float | None = None) -> int:
-        """Store block ``block_id`` under ``key`` for every item; returns the bytes written.
+    def save(self, store: KVStore, items: Sequence[tuple[str, int]], ttl: float | None = None, *,
+             pin: bool = False) -> int:
+        """Store block ``block_id`` under ``key`` for every item; returns the bytes written. ``pin``: the
+        objects are never evicted (they still expire after ``ttl``): a hand-off the decode side will read.
 
-        Each chunk is one ``batch_put`` (all or nothing). Raises the store's errors (the caller decides
+        Each chunk is one reservation, gathered straight from the cache into the store's memory and committed
+        all or nothing (one round trip on a same-host daemon). Raises the store's errors (the caller decides
         what a failure means); a chunk already written stays written."""
         written = 0
         for start in range(0, len(items), self._chunk):
             chunk = items[start:start + self._chunk]
             self._ids([b for _, b in chunk])  # range check
-            store.batch_put_pages([(key, [b]) for key, b in chunk], self._pages, layout=self._kernel_layout, ttl=ttl)
+            with Reservation(store, PutFlags(pin=pin), ttl) as batch:
+                for key, block_id in chunk:
+                    pages.add_pages(batch, key, self._pages, [block_id], self._kernel_layout)
             written += len(chunk) * self.layout.block_nbytes
         return written
 
