@@ -12,6 +12,7 @@ the keys, the fault behaviour and the measured costs.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise NotImplementedError("kvstore's vLLM connector does not support pipeline parallelism yet")
         self.counters = Counters()
+        self._reported = Counters()  # the scheduler half's counters at the last get_kv_connector_stats
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -149,8 +151,20 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
 
     def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
-        data = self._worker.take_interval_stats() if self._worker else None
+        if self._worker is not None:
+            data = self._worker.take_interval_stats()
+        else:  # the scheduler half's counters since the last call (vLLM adds them to the workers')
+            delta = self.counters.minus(self._reported)
+            self._reported = dataclasses.replace(self.counters)
+            data = delta.as_dict() if any(delta.as_dict().values()) else None
         return None if data is None else KVStoreConnectorStats(data=data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from kvstore.integrations.vllm.metrics import KVStorePromMetrics
+
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStoreConnectorStats:

@@ -42,6 +42,9 @@ class Counters:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
+    def minus(self, other: Counters) -> Counters:
+        return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -20,7 +20,7 @@ import torch
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.block_io import BlockIO, LoadResult
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.keys import CacheLayout, block_key, layout_key
+from kvstore.integrations.vllm.keys import CacheLayout, block_key, layout_key, model_layouts_prefix
 from kvstore.integrations.vllm.loader import AsyncLoader
 from kvstore.integrations.vllm.saver import AsyncSaver
 from kvstore.integrations.vllm.scheduler import KVStoreConnectorMetadata
@@ -71,8 +71,23 @@ class WorkerSide:
         """Store the layout next to the blocks (``vllm/<fingerprint>/layout``) so that ``kvstore ls`` and
         ``kvstore inspect`` show what the blocks under a fingerprint are. Best effort."""
         key = layout_key(self.fingerprint)
+        mine = self.layout.to_dict()
         try:
-            self.link.client().put(key, json.dumps(self.layout.to_dict()).encode(), meta=self.layout.to_dict())
+            store = self.link.client()
+            store.put(key, json.dumps(mine).encode(), meta=mine)
+            # The model's index: every fingerprint its instances used, so a mismatch is loud, not a silent miss.
+            store.put(model_layouts_prefix(self.layout.model) + self.fingerprint, b"", meta=mine)
+            others = [k for k in store.keys(model_layouts_prefix(self.layout.model))
+                      if not k.endswith(self.fingerprint)]
+            for other in others[:4]:
+                theirs = store.inspect(other).get("meta") or {}
+                diff = {f: (theirs.get(f), v) for f, v in mine.items()
+                        if f not in ("tp_rank",) and theirs.get(f) != v}
+                log.warning("kvstore worker: the store holds blocks of model %s under layout %s, which differs from "
+                            "this instance's layout %s in %s (theirs vs ours): those blocks never hit here; give "
+                            "every instance sharing this store the same settings", self.layout.model,
+                            other.rsplit("/", 1)[-1], self.fingerprint,
+                            ", ".join(f"{f}={a!r} vs {b!r}" for f, (a, b) in diff.items()) or "nothing visible")
         except (StoreUnavailable, KVStoreError, *CONNECTION_ERRORS) as exc:
             log.info("kvstore worker: layout not published under %s (%s)", key, exc)
 

@@ -138,3 +138,26 @@ def test_a_promise_that_never_arrives_is_logged_and_computed(servers):
     assert time.monotonic() - start < 300  # a bounded wait, not a hang
     assert cached_tokens(response) == 0 and len(response["choices"][0]["token_ids"]) == 2
     assert "was promised 3 blocks" in decode.output()
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of ``name``'s samples over every label set in a Prometheus text exposition."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_connector_counters_reach_vllms_metrics(servers):
+    _, prefill, decode = servers  # after the two tests above: a hand-off and a promised miss
+    deadline = time.monotonic() + 120
+    while True:  # vLLM publishes stats on its logging interval
+        with urllib.request.urlopen(f"http://127.0.0.1:{decode.port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        if metric(text, "vllm:kvstore_promised_misses_total") >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert metric(text, "vllm:kvstore_loaded_blocks_total") >= 3
+    assert metric(text, "vllm:kvstore_hit_tokens_total") >= 3 * BLOCK  # a scheduler-side counter
+    assert metric(text, "vllm:kvstore_promised_requests_total") >= 2
+    assert metric(text, "vllm:kvstore_promised_misses_total") >= 1
+    with urllib.request.urlopen(f"http://127.0.0.1:{prefill.port}/metrics", timeout=30) as r:
+        assert metric(r.read().decode(), "vllm:kvstore_saved_blocks_total") >= 3

@@ -65,7 +65,7 @@ def saved(engine, workdir):
 
 def block_keys(d: Daemon) -> list[str]:
     with d.connect("tcp") as s:
-        return sorted(k for k in s.keys("vllm/") if not k.endswith("/layout"))
+        return sorted(k for k in s.keys("vllm/") if not k.endswith("/layout") and "/layouts/" not in k)
 
 
 def test_kv_both_shares_prefixes_across_processes(saved, engine, baseline, prompts):
@@ -96,6 +96,7 @@ def test_consumer_with_another_layout_gets_no_false_hits(saved, engine, args):
     run = engine.run(url=d.unix_url, role="kv_consumer", args=args)
     assert run.counters["lookups"] > 0
     assert run.counters["hit_tokens"] == 0 and run.counters["loaded_blocks"] == 0
+    assert "which differs from this instance's layout" in run.stderr  # loud at start, not a silent miss
 
 
 def test_corrupt_block_is_detected_and_recomputed(saved, engine, baseline):
@@ -129,7 +130,7 @@ def test_prefill_decode_through_one_daemon(engine, workdir, baseline, prompts):
     assert consumer.cached == [claimable_tokens(p) for p in prompts]  # every full block came from the store
     assert consumer.counters["loaded_blocks"] == sum(claimable_tokens(p) // BLOCK for p in prompts)
     assert consumer.counters["saved_blocks"] == 0 and consumer.counters["load_errors"] == 0
-    assert stats["objects"] == distinct_full_blocks(prompts) + 1  # + the layout
+    assert stats["objects"] == distinct_full_blocks(prompts) + 2  # + the layout and the model's layout index
 
 
 def test_daemon_killed_mid_run_every_request_completes(engine, workdir, baseline):

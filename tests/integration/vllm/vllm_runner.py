@@ -30,6 +30,7 @@ def child_env() -> dict:
 class Run:
     results: list[dict]
     counters: dict
+    stderr: str = ""
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -85,7 +86,9 @@ class EngineRunner:
         cmd, out = self.command(**kw)
         proc = subprocess.run(cmd, env=self.env(hash_seed), capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
-        return load_run(out)
+        run = load_run(out)
+        run.stderr = proc.stderr + proc.stdout
+        return run
 
 
 def load_run(path: str) -> Run:
