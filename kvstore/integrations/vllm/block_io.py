@@ -6,9 +6,9 @@ one that touches payload bytes, so the data path can move to the zero-copy page 
 ``put_pages`` / ``get_pages``) without the connector noticing.
 
 The paths, on a same-host daemon:
-- save (:meth:`save`): ``batch_put_pages`` gathers the blocks (all layers, one native call) straight into
-  the store's memory, all or nothing: one copy. The asynchronous saver uses :meth:`pack` (a new buffer, so
-  vLLM may reuse the blocks at once) and :meth:`put_packed` (``batch_put``): two copies, off the critical path.
+- save (:meth:`save`): one reservation gathers the blocks (all layers) straight into the store's memory and
+  commits them all or nothing: one copy, one commit round trip a chunk (the saver thread calls it while vLLM
+  keeps the blocks, so nothing is copied first).
 - load, blocks of at least ``LEASED_LOAD_MIN`` bytes: ``get_pages`` scatters each block from a leased view
   of the store's memory (checksum verified first): one copy and one round trip a block.
 - load, smaller blocks: ``get_into`` through the daemon's shared-memory index (no round trip) into a staging
@@ -117,16 +117,6 @@ class BlockIO:
                     pages.add_pages(batch, key, self._pages, [block_id], self._kernel_layout)
             written += len(chunk) * self.layout.block_nbytes
         return written
-
-    def pack(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A new buffer holding blocks ``block_ids`` (every layer), block-major: the cache may be reused at once."""
-        packed = torch.empty(ops.packed_shape(self._kernel_layout, len(block_ids)), dtype=self._kernel_layout.dtype)
-        return ops.gather_pages(self._pages, self._ids(block_ids), packed, layout=self._kernel_layout)
-
-    def put_packed(self, store: KVStore, keys: Sequence[str], packed: torch.Tensor, ttl: float | None = None) -> int:
-        """``batch_put`` the blocks of ``packed`` (from :meth:`pack`) under ``keys``; returns the bytes written."""
-        store.batch_put([(key, packed[i:i + 1]) for i, key in enumerate(keys)], ttl=ttl)
-        return len(keys) * self.layout.block_nbytes
 
     # ---- loads ----------------------------------------------------------------------------------------
     def load(self, store: KVStore, items: Sequence[tuple[str, int]]) -> LoadResult:

@@ -82,7 +82,7 @@ class EngineRunner:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
 
-    def run(self, *, hash_seed: int = 0, timeout: float = 240, **kw) -> Run:
+    def run(self, *, hash_seed: int = 0, timeout: float = 900, **kw) -> Run:
         cmd, out = self.command(**kw)
         proc = subprocess.run(cmd, env=self.env(hash_seed), capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
