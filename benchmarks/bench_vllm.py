@@ -1,14 +1,19 @@
 """kvstore inside vLLM (CPU): time to first token on a prefix hit vs recomputing it, the connector's cost
-on a miss, and the connector's load/save bandwidth against a memcpy of the same bytes, all in one run.
+on a miss, the decode stall of running streams while long prompts' KV arrives, and the connector's load/save
+bandwidth against a memcpy of the same bytes, all in one run.
 
-    python -m benchmarks.bench_vllm                       # the tiny random Llama, 1k/4k/8k-token prompts
-    python -m benchmarks.bench_vllm --model DIR --tokens 2048,8192 --repeats 9 --json out.json
+    python -m benchmarks.bench_vllm                       # random Llama with Llama-3-8B's KV shape, 1k/4k prompts
+    python -m benchmarks.bench_vllm --geometry tiny --tokens 1024,8192 --repeats 9 --json out.json
+
+The default model has Llama-3-8B's KV geometry per layer (8 KV heads x 128, bf16) and 8 layers, so a 128-token
+block is 4 MiB, with thin other weights (random, built offline). NixlConnector is not measured: the ``nixl``
+wheels are not installed in this environment.
 
 Variants, each a fresh single-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) in its own process, on
 the same prompts (fixed seed): ``none`` (no connector), ``kvstore`` (KVStoreConnector, kv_both, a
 ``kvstore serve`` daemon started for the run) and ``example`` (vLLM's ExampleConnector, its disk-backed
-reference, under a temporary directory), the in-run anchor. vLLM's MooncakeStoreConnector is not measured:
-Mooncake is not installed here.
+reference, under a temporary directory), the in-run anchor. vLLM's MooncakeStoreConnector and NixlConnector
+are not measured: neither Mooncake nor NIXL is installed here.
 
 TTFT is the wall time of ``generate`` of one prompt with ``max_tokens=1``. A miss is a prompt never seen
 (for the connectors it includes the lookup and saving every full block; kvstore's kv_both saves are
@@ -39,7 +44,7 @@ from benchmarks.common.daemon import Daemon
 from benchmarks.common.machine import describe, machine
 from kvstore.workloads.stats import median, percentile
 
-DEFAULT_TOKENS = "1024,4096,8192"
+DEFAULT_TOKENS = "1024,4096"
 VARIANTS = ("none", "kvstore", "example")
 
 
@@ -91,22 +96,58 @@ def engine_main(args) -> None:
             if args.worker == "kvstore":  # the same engine with the connector paused: no lookup, no save
                 pause(True)
                 samples[str(n)]["off"].append(time_prompt(llm, params, prompt(n)))
-                wait_for_saves()
+                wait_for_saves(llm)
                 llm.reset_prefix_cache()
                 pause(False)
             p = prompt(n)
             samples[str(n)]["miss"].append(time_prompt(llm, params, p))
-            wait_for_saves()  # asynchronous saves land before the hit (untimed)
+            wait_for_saves(llm)  # asynchronous saves land before the hit (untimed)
             llm.reset_prefix_cache()
             if args.worker != "none":
                 samples[str(n)]["hit"].append(time_prompt(llm, params, p))
                 llm.reset_prefix_cache()
-    out = {"variant": args.worker, "ttft": samples}
+    out = {"variant": args.worker, "ttft": samples, "stall": stall_bench(llm, args, prompt, max(lengths))}
     if args.worker == "kvstore":
         out["io"] = io_bench(max(lengths), args.repeats)
         out["counters"] = connector_counters()
     with open(args.out, "w") as f:
         json.dump(out, f)
+
+
+def stall_bench(llm, args, prompt, tokens: int) -> dict:
+    """Running streams' TPOT while ``args.arrivals`` prompts of ``tokens`` tokens arrive (store hits for a
+    connector, computed without one), vs without arrivals. kvstore: with asynchronous loads, then synchronous."""
+    from benchmarks.vllm_stall import decode_stall
+
+    arrivals = [prompt(tokens) for _ in range(args.arrivals)]
+    if args.worker != "none":  # put the arrivals in the connector's store first
+        from vllm import SamplingParams
+
+        llm.generate([{"prompt_token_ids": p} for p in arrivals],
+                     SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        wait_for_saves(llm)
+
+    def fresh() -> None:
+        wait_for_saves(llm)
+        llm.reset_prefix_cache()
+
+    out = {"async" if args.worker == "kvstore" else "default": decode_stall(llm, prompt, arrivals, args.repeats,
+                                                                            before_round=fresh)}
+    if args.worker == "kvstore":
+        set_async_loads(False)
+        out["sync"] = decode_stall(llm, prompt, arrivals, args.repeats, before_round=fresh)
+        set_async_loads(True)
+    return out
+
+
+def set_async_loads(enabled: bool) -> None:
+    import dataclasses
+
+    from kvstore.integrations.vllm import live_connectors
+
+    for conn in live_connectors():
+        if conn._scheduler is not None:  # the workers follow the metadata's flag
+            conn._scheduler.config = dataclasses.replace(conn._scheduler.config, async_loads=enabled)
 
 
 def pause(paused: bool) -> None:
@@ -116,11 +157,17 @@ def pause(paused: bool) -> None:
         conn.pause(paused)
 
 
-def wait_for_saves() -> None:
+def wait_for_saves(llm=None) -> None:
+    """Every queued save in the store; with ``llm``, also vLLM's blocks held for them freed (an idle offline
+    engine takes no step by itself, and ``reset_prefix_cache`` refuses while blocks are held)."""
     from kvstore.integrations.vllm import live_connectors
 
     for conn in live_connectors():
         conn.wait_for_saves(60.0)
+    for _ in range(100):
+        if llm is None or not any(c.has_pending_push_work() for c in live_connectors()):
+            return
+        llm.llm_engine.step()  # no request scheduled: the workers' get_finished reports the held requests
 
 
 def connector_counters() -> dict:
@@ -173,7 +220,8 @@ def run_variant(variant: str, args, url: str, workdir: str) -> dict:
     out = os.path.join(workdir, f"{variant}.json")
     cmd = [sys.executable, "-m", "benchmarks.bench_vllm", "--worker", variant, "--out", out, "--url", url,
            "--workdir", workdir, "--model", args.model, "--tokens", args.tokens, "--repeats", str(args.repeats),
-           "--dtype", args.dtype, "--kv-bytes", str(args.kv_bytes), "--seed", str(args.seed)]
+           "--dtype", args.dtype, "--kv-bytes", str(args.kv_bytes), "--seed", str(args.seed),
+           "--arrivals", str(args.arrivals)]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -219,6 +267,27 @@ def table(results: dict[str, dict], lengths: list[str]) -> tuple[list[dict], dic
     return rows, bandwidth
 
 
+def stall_table(results: dict[str, dict]) -> list[dict]:
+    """TPOT of the running streams, quiet vs during arrivals, per variant (and kvstore's load mode)."""
+    rows = []
+    for variant in VARIANTS:
+        for mode, gaps in results.get(variant, {}).get("stall", {}).items():
+            quiet, busy = summary(gaps["quiet"]), summary(gaps["arrivals"])
+            rows.append({"variant": variant, "loads": mode, "quiet_p50_ms": quiet["median"] * 1e3,
+                         "quiet_p99_ms": quiet["p99"] * 1e3, "arrivals_p50_ms": busy["median"] * 1e3,
+                         "arrivals_p99_ms": busy["p99"] * 1e3, "p99_ratio": busy["p99"] / quiet["p99"],
+                         "n": busy["n"]})
+    return rows
+
+
+def print_stall(rows: list[dict], arrivals: int, tokens: int) -> None:
+    print(f"\ndecode stall: TPOT of 4 running streams, quiet vs while {arrivals} prompts of {tokens} tokens arrive")
+    print(f"{'variant':<8} {'loads':<8} {'quiet p50':>10} {'p99':>8} {'arrivals p50':>13} {'p99':>8} {'p99 ratio':>10}")
+    for r in rows:
+        print(f"{r['variant']:<8} {r['loads']:<8} {r['quiet_p50_ms']:>10.1f} {r['quiet_p99_ms']:>8.1f} "
+              f"{r['arrivals_p50_ms']:>13.1f} {r['arrivals_p99_ms']:>8.1f} {r['p99_ratio']:>10.2f}")
+
+
 def _paired_ratio(a: list[float], b: list[float]) -> float:
     """Median of per-repeat ratios a[i] / b[i] (each pair ran back to back, under the same load)."""
     return statistics.median(x / y for x, y in zip(a, b, strict=True))
@@ -250,12 +319,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="", help="a local model directory (default: the tiny random Llama)")
     p.add_argument("--tokens", default=DEFAULT_TOKENS, help="prompt lengths, comma separated")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--kv-bytes", type=int, default=512 << 20, help="vLLM's KV cache size (bytes)")
-    p.add_argument("--capacity", default="2GiB", help="the daemon's capacity")
+    p.add_argument("--kv-bytes", type=int, default=1 << 30, help="vLLM's KV cache size (bytes)")
+    p.add_argument("--capacity", default="3GiB", help="the daemon's capacity")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--geometry", choices=("realistic", "tiny"), default="realistic",
+                   help="random-weight model: Llama-3-8B's KV shape (8 KV heads x 128, 8 layers: 4 MiB bf16 "
+                        "blocks) or the 2-layer test model (128 KiB blocks)")
+    p.add_argument("--arrivals", type=int, default=2, help="long prompts arriving during the decode-stall run")
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -267,9 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     workdir = tempfile.mkdtemp(prefix="kvs-bench-vllm-", dir="/tmp")
     if not args.model:
-        from kvstore.integrations.vllm.tiny_model import build_tiny_llama
+        from kvstore.integrations.vllm.tiny_model import KV_REALISTIC_CONFIG, TINY_CONFIG, build_tiny_llama
 
-        args.model = build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvstore-tiny-llama"))
+        config = KV_REALISTIC_CONFIG if args.geometry == "realistic" else TINY_CONFIG
+        args.model = build_tiny_llama(os.path.join(tempfile.gettempdir(), f"kvstore-{args.geometry}-llama"),
+                                      config=config)
     daemon = Daemon(workdir, capacity=args.capacity, tcp=False).start()
     try:
         results = {v: run_variant(v, args, daemon.unix_url, workdir) for v in args.variants.split(",")}
@@ -280,10 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     rows, bandwidth = table(results, lengths)
     header = f"bench_vllm: {args.model} ({args.dtype}), {describe()}, repeats={args.repeats}"
     print_table(rows, bandwidth, header)
+    stall = stall_table(results)
+    print_stall(stall, args.arrivals, max(int(n) for n in lengths))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "model": args.model, "rows": rows, "bandwidth": bandwidth,
-                       "raw": results}, f, indent=1)
+                       "stall": stall, "raw": results}, f, indent=1)
     return 0
 
 

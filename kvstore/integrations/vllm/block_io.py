@@ -6,9 +6,9 @@ one that touches payload bytes, so the data path can move to the zero-copy page 
 ``put_pages`` / ``get_pages``) without the connector noticing.
 
 The paths, on a same-host daemon:
-- save (:meth:`save`): ``batch_put_pages`` gathers the blocks (all layers, one native call) straight into
-  the store's memory, all or nothing: one copy. The asynchronous saver uses :meth:`pack` (a new buffer, so
-  vLLM may reuse the blocks at once) and :meth:`put_packed` (``batch_put``): two copies, off the critical path.
+- save (:meth:`save`): one reservation gathers the blocks (all layers) straight into the store's memory and
+  commits them all or nothing: one copy, one commit round trip a chunk (the saver thread calls it while vLLM
+  keeps the blocks, so nothing is copied first).
 - load, blocks of at least ``LEASED_LOAD_MIN`` bytes: ``get_pages`` scatters each block from a leased view
   of the store's memory (checksum verified first): one copy and one round trip a block.
 - load, smaller blocks: ``get_into`` through the daemon's shared-memory index (no round trip) into a staging
@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from kvstore import ops
-from kvstore.client.store import KVStore
+from kvstore.client import pages
+from kvstore.client.reservation import Reservation
+from kvstore.client.store import KVStore, PutFlags
 from kvstore.errors import ChecksumError, KeyNotFoundError, KVStoreError, StoreConnectionError, UnsupportedKVCacheError
 from kvstore.integrations.vllm.cache_layouts import PageGeometry, geometry_of
 from kvstore.integrations.vllm.device_io import CudaDevice, Device, DeviceBlocks
@@ -104,34 +106,25 @@ class BlockIO:
         return ids
 
     # ---- saves ----------------------------------------------------------------------------------------
-    def save(self, store: KVStore, items: Sequence[tuple[str, int]], ttl: float | None = None) -> int:
-        """Store block ``block_id`` under ``key`` for every item; returns the bytes written.
+    def save(self, store: KVStore, items: Sequence[tuple[str, int]], ttl: float | None = None, *,
+             pin: bool = False) -> int:
+        """Store block ``block_id`` under ``key`` for every item; returns the bytes written. ``pin``: the
+        objects are never evicted (they still expire after ``ttl``): a hand-off the decode side will read.
 
-        Each chunk is one ``batch_put`` (all or nothing). Raises the store's errors (the caller decides
+        Each chunk is one reservation, gathered straight from the cache into the store's memory and committed
+        all or nothing (one round trip on a same-host daemon). Raises the store's errors (the caller decides
         what a failure means); a chunk already written stays written."""
         if self.device is not None:
-            return self.device.save(store, items, ttl)
+            return self.device.save(store, items, ttl, pin)
         written = 0
         for start in range(0, len(items), self._chunk):
             chunk = items[start:start + self._chunk]
             self._ids([b for _, b in chunk])  # range check
-            store.batch_put_pages([(key, [b]) for key, b in chunk], self._pages, layout=self._kernel_layout, ttl=ttl)
+            with Reservation(store, PutFlags(pin=pin), ttl) as batch:
+                for key, block_id in chunk:
+                    pages.add_pages(batch, key, self._pages, [block_id], self._kernel_layout)
             written += len(chunk) * self.layout.block_nbytes
         return written
-
-    def pack(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A new buffer holding blocks ``block_ids`` (every layer), block-major: the cache may be reused at once."""
-        if self.device is not None:
-            return self.device.pack(block_ids)
-        packed = torch.empty(ops.packed_shape(self._kernel_layout, len(block_ids)), dtype=self._kernel_layout.dtype)
-        return ops.gather_pages(self._pages, self._ids(block_ids), packed, layout=self._kernel_layout)
-
-    def put_packed(self, store: KVStore, keys: Sequence[str], packed: torch.Tensor, ttl: float | None = None) -> int:
-        """``batch_put`` the blocks of ``packed`` (from :meth:`pack`) under ``keys``; returns the bytes written."""
-        if self.device is not None:
-            return self.device.put_packed(store, keys, packed, ttl)
-        store.batch_put([(key, packed[i:i + 1]) for i, key in enumerate(keys)], ttl=ttl)
-        return len(keys) * self.layout.block_nbytes
 
     # ---- loads ----------------------------------------------------------------------------------------
     def load(self, store: KVStore, items: Sequence[tuple[str, int]]) -> LoadResult:

@@ -27,11 +27,24 @@ class ConnectorConfig:
     require_store_at_start: bool = True
     #: Verify every loaded block against the checksum recorded at commit (a mismatch is a load error).
     verify: bool = True
-    #: "auto": asynchronous for kv_both (off the engine's critical path), synchronous for kv_producer (the
-    #: hand-off is complete when the step ends); or "sync" / "async".
+    #: "auto" / "async": a saver thread gathers the blocks straight from the cache into the store while vLLM
+    #: keeps the blocks (``request_finished`` returns True until the save lands); "sync": saved inside
+    #: ``wait_for_save`` on the engine thread (the old behaviour, kept for A/B measurements).
     save_mode: str = "auto"
     #: Async saves: at most this many bytes queued; beyond it a save is dropped (and counted).
     max_pending_save_bytes: int = 256 << 20
+    #: True: store hits load on a worker thread (``get_num_new_matched_tokens`` returns ``(n, True)``) while the
+    #: running batch keeps decoding; False: loaded in ``start_load_kv`` before the forward pass.
+    async_loads: bool = True
+    #: Seconds the scheduler waits inline for a lookup before answering "not yet" (None) and asking again on a
+    #: later step: a healthy daemon answers within it, a slow or dead one costs the scheduler at most this.
+    lookup_wait_s: float = 0.002
+    #: Decode side: how long a request whose ``kv_transfer_params`` promise blocks still being saved waits for
+    #: them (re-asking every step) before it computes what is missing (counted and logged as a promised miss).
+    handoff_wait_s: float = 10.0
+    #: Prefill side (kv_producer): hand-off blocks are pinned in the store (never evicted) for this many
+    #: seconds, then expire; the decode instance must load them within it.
+    handoff_ttl_s: float = 300.0
     #: Seconds a saved block lives in the store (None: until evicted).
     ttl_s: float | None = None
     #: False: the connector sets vLLM's ``kv_load_failure_policy`` to "recompute" (a store fault never

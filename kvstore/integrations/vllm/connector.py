@@ -12,6 +12,7 @@ the keys, the fault behaviour and the measured costs.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise NotImplementedError("kvstore's vLLM connector does not support pipeline parallelism yet")
         self.counters = Counters()
+        self._reported = Counters()  # the scheduler half's counters at the last get_kv_connector_stats
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -104,6 +106,23 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        # Finished requests' blocks are held for saves in flight: keep the engine stepping so that the
+        # workers' get_finished reports them and vLLM frees the blocks, even with no request left.
+        return self._scheduler is not None and self._scheduler.holds_blocks()
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler is not None and self._scheduler.holds_blocks()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A shared prefix cache's dropped save is a future miss; only a prefill instance hands KV off.
+        return self.kv_role == "kv_producer"
+
     # ---- worker side ----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
@@ -112,7 +131,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete in start_load_kv
+        return None  # synchronous loads complete in start_load_kv; asynchronous ones are not in this step
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # all layers are saved together in wait_for_save
@@ -121,12 +140,31 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.has_connector_metadata():
             self._worker.wait_for_save(self._metadata())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids) if self._worker else (None, None)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, KVStoreConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
 
     def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
-        data = self._worker.take_interval_stats() if self._worker else None
+        if self._worker is not None:
+            data = self._worker.take_interval_stats()
+        else:  # the scheduler half's counters since the last call (vLLM adds them to the workers')
+            delta = self.counters.minus(self._reported)
+            self._reported = dataclasses.replace(self.counters)
+            data = delta.as_dict() if any(delta.as_dict().values()) else None
         return None if data is None else KVStoreConnectorStats(data=data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from kvstore.integrations.vllm.metrics import KVStorePromMetrics
+
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStoreConnectorStats:

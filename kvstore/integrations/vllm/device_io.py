@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from kvstore import ops
-from kvstore.client.store import KVStore
+from kvstore.client.reservation import Reservation
+from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import checksum_of
 from kvstore.errors import ChecksumError, DeviceCopyError, KeyNotFoundError, KVStoreError, StoreConnectionError
 from kvstore.layout import KVLayout, dtype_name
@@ -117,19 +118,20 @@ class DeviceBlocks:
             rt.event_destroy(event)
 
     # ---- saves ----------------------------------------------------------------------------------------
-    def save(self, store: KVStore, items: Sequence[tuple[str, int]], ttl: float | None) -> int:
-        """Per chunk: reserve, gather on the device, one copy per block into its view, one commit."""
+    def save(self, store: KVStore, items: Sequence[tuple[str, int]], ttl: float | None, pin: bool = False) -> int:
+        """Per chunk: reserve, gather on the device, one copy per block into its view, one commit. ``pin``: a
+        hand-off's blocks, never evicted before they expire."""
         written = 0
         for start in range(0, len(items), self.chunk):
             chunk = items[start:start + self.chunk]
             with self.device.on_stream(after_engine=True, before_engine=False):
-                self._save_chunk(store, [k for k, _ in chunk], None, [b for _, b in chunk], ttl)
+                self._save_chunk(store, [k for k, _ in chunk], None, [b for _, b in chunk], ttl, pin)
             written += len(chunk) * self.block_nbytes
         return written
 
     def _save_chunk(self, store: KVStore, keys: list[str], packed: torch.Tensor | None, block_ids: list[int],
-                    ttl: float | None) -> None:
-        batch = store.reservation(ttl=ttl)
+                    ttl: float | None, pin: bool = False) -> None:
+        batch = Reservation(store, PutFlags(pin=pin), ttl)
         try:
             shape, dtype = ops.packed_shape(self.layout, 1), dtype_name(self.layout.dtype)
             views = [batch.add(key, self.block_nbytes, kind="torch", dtype=dtype, shape=shape) for key in keys]
@@ -147,22 +149,6 @@ class DeviceBlocks:
             raise
         batch.commit()  # hashes each object on the host: loads can verify device-saved blocks too
 
-    def pack(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A new device buffer holding the blocks (the asynchronous saver's copy), gathered on our stream."""
-        try:  # the engine's later kernels wait for the gather: vLLM may reuse these blocks once we return
-            with self.device.on_stream(after_engine=True, before_engine=True):
-                packed = self.device.empty(ops.packed_shape(self.layout, len(block_ids)), self.layout.dtype)
-                return ops.gather_pages(self.pages, self.device.ids(block_ids), packed, layout=self.layout)
-        except DEVICE_ERRORS as exc:
-            raise DeviceCopyError(f"device error while packing {len(block_ids)} block(s): {exc}") from None
-
-    def put_packed(self, store: KVStore, keys: Sequence[str], packed: torch.Tensor, ttl: float | None) -> int:
-        """Store the blocks of ``packed`` (from :meth:`pack`, on our stream) under ``keys``."""
-        with self.device.on_stream(after_engine=False, before_engine=False):
-            self._save_chunk(store, list(keys), packed, [], ttl)
-        return len(keys) * self.block_nbytes
-
-    # ---- loads ----------------------------------------------------------------------------------------
     def load(self, store: KVStore, items: Sequence[tuple[str, int]], verify: bool, result: Any) -> list[int]:
         """Per chunk: lease the objects, one copy each into staging, one scatter; returns the failed blocks."""
         failed: list[int] = []

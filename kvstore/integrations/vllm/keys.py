@@ -117,6 +117,13 @@ def layout_key(fingerprint: str) -> str:
     return f"{KEY_PREFIX}/{fingerprint}/layout"
 
 
+def model_layouts_prefix(model: str) -> str:
+    """Where workers list the fingerprints a model was served with: ``vllm/layouts/<model digest>/<fingerprint>``
+    (each object's meta is the layout), so that an instance can say loudly which settings differ."""
+    digest = hashlib.blake2b(model.encode(), digest_size=8, person=_PERSON).hexdigest()
+    return f"{KEY_PREFIX}/layouts/{digest}/"
+
+
 def layout_from_vllm_config(vllm_config: Any, kv_cache_config: Any, tp_rank: int = 0) -> CacheLayout:
     """The :class:`CacheLayout` of TP rank ``tp_rank`` for ``vllm_config`` (same answer in scheduler and
     worker, so the scheduler can look up every rank's keys).

@@ -30,10 +30,20 @@ class Counters:
     save_seconds: float = 0.0
     dropped_saves: int = 0      # blocks not saved because of a store fault
     store_faults: int = 0
+    async_loads: int = 0        # worker: requests whose blocks loaded on the loader thread
+    held_requests: int = 0      # worker: finished requests whose blocks vLLM kept until their saves landed
+    promised_requests: int = 0  # scheduler: decode requests carrying a kvstore hand-off promise
+    handoff_waits: int = 0      # scheduler: steps a promised request waited for blocks still being saved
+    promised_misses: int = 0    # scheduler: promised requests that found fewer blocks than promised
+    promised_missing_blocks: int = 0
+    promise_layout_mismatches: int = 0  # scheduler: promises made under another layout fingerprint
 
     def add(self, other: Counters) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def minus(self, other: Counters) -> Counters:
+        return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,15 +13,21 @@ import os
 TINY_CONFIG = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
                "max_position_embeddings": 16384, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+#: Llama-3-8B's KV shape per layer (8 KV heads of 128) with thin other weights and 8 layers, so that a 128-token
+#: block is 8 x 512 KiB = 4 MiB in bf16, as in a real deployment: the benchmark's realistic geometry.
+KV_REALISTIC_CONFIG = {**TINY_CONFIG, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8,
+                       "head_dim": 128, "num_hidden_layers": 8}
 _MARKER = "kvstore-tiny-model.json"
 
 
-def build_tiny_llama(directory: str, *, seed: int = 0, dtype: str = "float32") -> str:
+def build_tiny_llama(directory: str, *, seed: int = 0, dtype: str = "float32", config: dict | None = None) -> str:
     """Write a tiny Llama (safetensors + config.json) into ``directory`` unless it is already there; return it.
 
-    Needs ``transformers`` (the ``vllm`` extra). ``dtype`` is the checkpoint's torch dtype name."""
+    Needs ``transformers`` (the ``vllm`` extra). ``dtype`` is the checkpoint's torch dtype name; ``config``
+    replaces :data:`TINY_CONFIG` (e.g. :data:`KV_REALISTIC_CONFIG`)."""
+    config = config or TINY_CONFIG
     marker = os.path.join(directory, _MARKER)
-    wanted = {"config": TINY_CONFIG, "seed": seed, "dtype": dtype}
+    wanted = {"config": config, "seed": seed, "dtype": dtype}
     if os.path.exists(marker):
         with open(marker) as f:
             if json.load(f) == wanted:
@@ -30,8 +36,7 @@ def build_tiny_llama(directory: str, *, seed: int = 0, dtype: str = "float32") -
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**TINY_CONFIG, torch_dtype=dtype)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model = LlamaForCausalLM(LlamaConfig(**config, torch_dtype=dtype)).to(getattr(torch, dtype))
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     with open(marker, "w") as f:

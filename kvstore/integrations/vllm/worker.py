@@ -1,9 +1,11 @@
 """WorkerSide: the connector's half in each vLLM worker: registers the caches, loads and saves blocks.
 
-Loads run in ``start_load_kv`` before the forward pass (synchronously: on CPU the copy competes with the
-model for the same cores, so overlapping buys nothing); saves run in ``wait_for_save`` after it, once per
-step for every layer. Every failure is local to the blocks it touches: a load failure is reported through
-``get_block_ids_with_load_errors`` (vLLM recomputes those blocks), a failed save is dropped and counted.
+Loads are queued in ``start_load_kv`` for the loader thread (:mod:`.loader`) and reported by ``get_finished``
+(``async_loads: false``: loaded there, before the forward pass). Saves are queued in ``wait_for_save`` for the
+saver thread (:mod:`.saver`), which gathers straight from the cache while vLLM keeps the blocks
+(``save_mode: sync``: saved there, on the engine thread). Every failure is local to the blocks it touches: a
+load failure is reported through ``get_block_ids_with_load_errors`` (vLLM recomputes those blocks), a failed
+save is dropped and counted.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Any
 import torch
 
 from kvstore.errors import KVStoreError
-from kvstore.integrations.vllm.block_io import BlockIO
+from kvstore.integrations.vllm.block_io import BlockIO, LoadResult
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.keys import CacheLayout, block_key, layout_key
+from kvstore.integrations.vllm.keys import CacheLayout, block_key, layout_key, model_layouts_prefix
+from kvstore.integrations.vllm.loader import AsyncLoader
 from kvstore.integrations.vllm.saver import AsyncSaver
 from kvstore.integrations.vllm.scheduler import KVStoreConnectorMetadata
 from kvstore.integrations.vllm.stats import Counters
@@ -29,8 +32,10 @@ class WorkerSide:
     def __init__(self, config: ConnectorConfig, layout: CacheLayout, layer_names: list[str], counters: Counters,
                  role: str = "kv_both"):
         self.config = config
-        self.async_saves = config.save_mode == "async" or (config.save_mode == "auto" and role == "kv_both")
+        self.async_saves = config.save_mode != "sync"
         self.saver: AsyncSaver | None = None
+        self.loader: AsyncLoader | None = None
+        self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until we report their saves
         self._count_lock = threading.Lock()
         self.layout = layout
         self.fingerprint = layout.fingerprint()
@@ -49,21 +54,40 @@ class WorkerSide:
             raise ValueError(f"kvstore connector: no KV cache registered for layers {missing}")
         self.io = BlockIO([kv_caches[name] for name in self.layer_names], self.layout, verify=self.config.verify)
         if self.async_saves:
-            link = StoreLink(self.config.url, timeout=self.config.timeout_s, retry_s=self.config.retry_s,
-                             transport=self.config.transport, name="saver")
-            self.saver = AsyncSaver(self.io, link, self._count, ttl=self.config.ttl_s,
+            self.saver = AsyncSaver(self.io, self._link("saver"), self._count, ttl=self.config.ttl_s,
                                     max_bytes=self.config.max_pending_save_bytes)
+        if self.config.async_loads:
+            self.loader = AsyncLoader(self.io, self._link("loader"))
         log.info("kvstore worker: %d layers, %s/%s %s, block %d tokens = %d bytes, layout %s", len(self.layer_names),
                  self.layout.backend, self.layout.packing, self.layout.dtype, self.layout.block_size,
                  self.layout.block_nbytes, self.fingerprint)
         self._publish_layout()
 
+    def _link(self, name: str) -> StoreLink:
+        return StoreLink(self.config.url, timeout=self.config.timeout_s, retry_s=self.config.retry_s,
+                         transport=self.config.transport, name=name)
+
     def _publish_layout(self) -> None:
         """Store the layout next to the blocks (``vllm/<fingerprint>/layout``) so that ``kvstore ls`` and
         ``kvstore inspect`` show what the blocks under a fingerprint are. Best effort."""
         key = layout_key(self.fingerprint)
+        mine = self.layout.to_dict()
         try:
-            self.link.client().put(key, json.dumps(self.layout.to_dict()).encode(), meta=self.layout.to_dict())
+            store = self.link.client()
+            store.put(key, json.dumps(mine).encode(), meta=mine)
+            # The model's index: every fingerprint its instances used, so a mismatch is loud, not a silent miss.
+            store.put(model_layouts_prefix(self.layout.model) + self.fingerprint, b"", meta=mine)
+            others = [k for k in store.keys(model_layouts_prefix(self.layout.model))
+                      if not k.endswith(self.fingerprint)]
+            for other in others[:4]:
+                theirs = store.inspect(other).get("meta") or {}
+                diff = {f: (theirs.get(f), v) for f, v in mine.items()
+                        if f not in ("tp_rank",) and theirs.get(f) != v}
+                log.warning("kvstore worker: the store holds blocks of model %s under layout %s, which differs from "
+                            "this instance's layout %s in %s (theirs vs ours): those blocks never hit here; give "
+                            "every instance sharing this store the same settings", self.layout.model,
+                            other.rsplit("/", 1)[-1], self.fingerprint,
+                            ", ".join(f"{f}={a!r} vs {b!r}" for f, (a, b) in diff.items()) or "nothing visible")
         except (StoreUnavailable, KVStoreError, *CONNECTION_ERRORS) as exc:
             log.info("kvstore worker: layout not published under %s (%s)", key, exc)
 
@@ -75,9 +99,13 @@ class WorkerSide:
 
     # ---- loads ----------------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVStoreConnectorMetadata) -> None:
+        self._held.update(meta.held)
         for transfer in meta.loads:
             items = [(block_key(self.fingerprint, bytes.fromhex(d)), b)
                      for d, b in zip(transfer.digests, transfer.block_ids, strict=True)]
+            if meta.async_loads:
+                self.loader.submit(transfer.req_id, items)
+                continue
             try:
                 store = self.link.client()
             except StoreUnavailable:
@@ -86,14 +114,18 @@ class WorkerSide:
             result = self.io.load(store, items)
             if result.connection_lost:
                 self.link.fault(ConnectionError("connection lost during a load"))
-                self._count(store_faults=1)
-            if result.failed_blocks:
-                self._fail_load(result.failed_blocks)
-            self._count(loaded_blocks=result.loaded, load_bytes=result.nbytes, load_seconds=result.seconds,
-                        checksum_errors=result.checksum_errors, missing_blocks=result.missing)
-            if result.checksum_errors:
-                log.warning("kvstore worker: %d block(s) of request %s failed their checksum; recomputing them",
-                            result.checksum_errors, transfer.req_id)
+            self._account_load(transfer.req_id, result)
+
+    def _account_load(self, req_id: str, result: LoadResult) -> None:
+        if result.connection_lost:
+            self._count(store_faults=1)
+        if result.failed_blocks:
+            self._fail_load(result.failed_blocks)
+        self._count(loaded_blocks=result.loaded, load_bytes=result.nbytes, load_seconds=result.seconds,
+                    checksum_errors=result.checksum_errors, missing_blocks=result.missing)
+        if result.checksum_errors:
+            log.warning("kvstore worker: %d block(s) of request %s failed their checksum; recomputing them",
+                        result.checksum_errors, req_id)
 
     def _fail_load(self, block_ids) -> None:
         self._load_errors.update(block_ids)
@@ -103,14 +135,39 @@ class WorkerSide:
         failed, self._load_errors = self._load_errors, set()
         return failed
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose held blocks vLLM may free: their saves landed or were dropped, requests whose
+        asynchronous load ended). A load's failed blocks go to ``get_block_ids_with_load_errors``, which vLLM
+        reads right after this in the same step."""
+        recving = set()
+        if self.loader is not None:
+            for req_id, result in self.loader.take():
+                self._account_load(req_id, result)
+                self._count(async_loads=1)
+                recving.add(req_id)
+        sending = self.saver.finished(self._held) if self.saver is not None else set(self._held)
+        self._held -= sending
+        self._count(held_requests=len(sending))
+        return sending or None, recving or None
+
+    def handle_preemptions(self, meta: KVStoreConnectorMetadata) -> None:
+        """Preempted requests' blocks go back to vLLM's pool after this step: their queued saves must read
+        them first."""
+        if self.saver is None or not meta.preempted:
+            return
+        if not self.saver.wait_for(meta.preempted, self.config.timeout_s):
+            log.warning("kvstore worker: saves of preempted requests %s still running after %.1f s; their blocks "
+                        "may be reused under them", meta.preempted, self.config.timeout_s)
+
     # ---- saves ----------------------------------------------------------------------------------------
     def wait_for_save(self, meta: KVStoreConnectorMetadata) -> None:
-        items = [(block_key(self.fingerprint, bytes.fromhex(d)), b)
-                 for transfer in meta.saves for d, b in zip(transfer.digests, transfer.block_ids, strict=True)]
-        if not items:
-            return
+        ttl = self.config.handoff_ttl_s if meta.pinned else self.config.ttl_s
         if self.saver is not None:
-            self.saver.submit(items)
+            for transfer in meta.saves:
+                self.saver.submit(transfer.req_id, self._items(transfer), pin=meta.pinned, ttl=ttl)
+            return
+        items = [item for transfer in meta.saves for item in self._items(transfer)]
+        if not items:
             return
         try:
             store = self.link.client()
@@ -119,7 +176,7 @@ class WorkerSide:
             return
         start = time.perf_counter()
         try:
-            nbytes = self.io.save(store, items, ttl=self.config.ttl_s)
+            nbytes = self.io.save(store, items, ttl=ttl, pin=meta.pinned)
         except CONNECTION_ERRORS as exc:
             self.link.fault(exc)
             self._count(dropped_saves=len(items), store_faults=1)
@@ -132,6 +189,10 @@ class WorkerSide:
                             type(exc).__name__, exc)
             return
         self._count(saved_blocks=len(items), save_bytes=nbytes, save_seconds=time.perf_counter() - start)
+
+    def _items(self, transfer) -> list[tuple[str, int]]:
+        return [(block_key(self.fingerprint, bytes.fromhex(d)), b)
+                for d, b in zip(transfer.digests, transfer.block_ids, strict=True)]
 
     def drain_saves(self, timeout: float) -> bool:
         """Wait for queued asynchronous saves; False if some were still queued after ``timeout`` seconds."""
@@ -148,4 +209,6 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self.saver is not None:
             self.saver.close(2 * self.config.timeout_s)
+        if self.loader is not None:
+            self.loader.close(2 * self.config.timeout_s)
         self.link.close()

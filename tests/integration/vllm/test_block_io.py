@@ -46,7 +46,7 @@ def test_blocks_round_trip_every_layer(block_store, leased):
     src_whole, src = caches(1)
     io = BlockIO(src, LAYOUT)
     assert io.save(block_store, [("blockio/a", 3), ("blockio/b", 11)]) == 2 * LAYOUT.block_nbytes
-    io.put_packed(block_store, ["blockio/c"], io.pack([5]))  # the asynchronous saver's path: the same bytes
+    io.save(block_store, [("blockio/c", 5)], ttl=60.0, pin=True)  # a hand-off block: the same bytes
     dst_whole, dst = caches(2)
     before = dst_whole.clone()
     result = BlockIO(dst, LAYOUT, leased_loads=leased).load(block_store, [("blockio/a", 0), ("blockio/b", 7),
@@ -131,42 +131,47 @@ def test_link_warns_once_per_outage_and_reconnects(daemon_factory, short_dir, ca
     assert back.running()
 
 
-def test_async_saver_writes_off_thread_and_drops_beyond_its_bound():
-    from kvstore.integrations.vllm.saver import AsyncSaver
+def counter():
     from kvstore.integrations.vllm.stats import Counters
 
-    store = kvstore.KVStore.embedded(capacity="16MiB")
     counts = Counters()
 
     def count(**deltas):
         for k, v in deltas.items():
             setattr(counts, k, getattr(counts, k) + v)
 
+    return counts, count
+
+
+def test_async_saver_reads_the_cache_off_thread_and_reports_requests_once_saved(daemon):
+    from kvstore.integrations.vllm.saver import AsyncSaver
+
+    store = daemon.connect("shm")
+    counts, count = counter()
     src_whole, src = caches(1)
     io = BlockIO(src, LAYOUT)
-    link = StoreLink("embedded://", timeout=2.0, retry_s=60, name="test", open=lambda *a: store)
+    link = StoreLink(daemon.unix_url, timeout=5.0, retry_s=60, name="test")
     saver = AsyncSaver(io, link, count, ttl=None, max_bytes=3 * LAYOUT.block_nbytes)
-    saver.submit([("blockio/s0", 0), ("blockio/s1", 1)])
-    src_whole.zero_()  # the cache may be reused as soon as submit returns: the blocks were packed
-    assert saver.drain(10.0)
-    saver.submit([("blockio/s2", 2), ("blockio/s3", 3), ("blockio/s4", 4), ("blockio/s5", 5)])  # over the bound
+    saver.submit("r1", [("blockio/s0", 0), ("blockio/s1", 1)], pin=True, ttl=60.0)
+    assert saver.wait_for(["r1"], 30.0) and saver.finished(["r1", "r2"]) == {"r1", "r2"}
+    saver.submit("r2", [(f"blockio/s{i}", i) for i in range(2, 6)])  # over the bound: dropped, not queued
     assert saver.drain(10.0)
     assert (counts.saved_blocks, counts.dropped_saves) == (2, 4)
+    info = store.inspect("blockio/s0")
+    assert info["pinned"] and info["ttl_s"] == 60.0  # a hand-off block: never evicted, then expires
     _, dst = caches(2)
-    assert BlockIO(dst, LAYOUT).load(store, [("blockio/s0", 9)]).loaded == 1
-    assert not torch.equal(dst[0][9], torch.zeros_like(dst[0][9]))
+    assert BlockIO(dst, LAYOUT).load(store, [("blockio/s1", 9)]).loaded == 1
+    assert torch.equal(dst[0][9], src_whole[0][1])  # gathered straight from the cache: the same bytes
     saver.close(5.0)
+    for key in store.keys("blockio/"):
+        store.remove(key)
+    store.close()
 
 
-def test_async_saver_counts_a_dead_store_as_dropped():
+def test_async_saver_counts_a_dead_store_as_dropped_and_still_reports_the_request():
     from kvstore.integrations.vllm.saver import AsyncSaver
-    from kvstore.integrations.vllm.stats import Counters
 
-    counts = Counters()
-
-    def count(**deltas):
-        for k, v in deltas.items():
-            setattr(counts, k, getattr(counts, k) + v)
+    counts, count = counter()
 
     def refuse(*args):
         raise kvstore.StoreConnectionError("no daemon")
@@ -174,7 +179,43 @@ def test_async_saver_counts_a_dead_store_as_dropped():
     _, src = caches(1)
     saver = AsyncSaver(BlockIO(src, LAYOUT), StoreLink("unix:///none", timeout=1.0, retry_s=60, name="test",
                                                         open=refuse), count, ttl=None)
-    saver.submit([("blockio/d0", 0)])
-    assert saver.drain(10.0)
+    saver.submit("r1", [("blockio/d0", 0)])
+    assert saver.wait_for(["r1"], 10.0) and saver.finished(["r1"]) == {"r1"}
     assert counts.dropped_saves == 1 and counts.saved_blocks == 0
     saver.close(5.0)
+
+
+def test_async_loader_reports_every_request_once_with_its_failed_blocks(daemon_factory):
+    from kvstore.integrations.vllm.loader import AsyncLoader
+
+    d = daemon_factory(capacity="16MiB")
+    s = d.connect("tcp", timeout=2.0)
+    src_whole, src = caches(1)
+    BlockIO(src, LAYOUT).save(s, [("blockio/l0", 0), ("blockio/l1", 1)])
+    dst_whole, dst = caches(2)
+    loader = AsyncLoader(BlockIO(dst, LAYOUT), StoreLink(d.unix_url, timeout=2.0, retry_s=60, name="test",
+                                                         transport="tcp"))
+    loader.submit("r1", [("blockio/l0", 4), ("blockio/gone", 5), ("blockio/l1", 6)])
+    done = wait_done(loader, 1)
+    assert [r for r, _ in done] == ["r1"] and done[0][1].failed_blocks == (5,) and done[0][1].loaded == 2
+    assert torch.equal(dst_whole[:, 4], src_whole[:, 0]) and torch.equal(dst_whole[:, 6], src_whole[:, 1])
+    d.kill()  # a daemon killed before (or during) a load: every block fails, the request is still reported
+    loader.submit("r2", [("blockio/l0", 7), ("blockio/l1", 8)])
+    loader.submit("r3", [("blockio/l0", 9)])
+    done = wait_done(loader, 2)
+    assert sorted(r for r, _ in done) == ["r2", "r3"]
+    assert sorted(b for _, result in done for b in result.failed_blocks) == [7, 8, 9]
+    assert loader.take() == [] and loader.in_flight == 0
+    loader.close(5.0)
+    s.close()
+
+
+def wait_done(loader, n: int) -> list:
+    import time
+
+    done: list = []
+    deadline = time.monotonic() + 60
+    while len(done) < n and time.monotonic() < deadline:
+        done += loader.take()
+        time.sleep(0.01)
+    return done

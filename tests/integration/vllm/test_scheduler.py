@@ -41,7 +41,9 @@ class CountingStore:
 
 
 def side(store, role="kv_both", fail=False) -> SchedulerSide:
-    s = SchedulerSide(ConnectorConfig(url="unix:///unused", retry_s=60), [LAYOUT], role, BS, Counters())
+    # lookup_wait_s: the lookup thread answers within it however loaded the machine is (deterministic tests)
+    s = SchedulerSide(ConnectorConfig(url="unix:///unused", retry_s=60, lookup_wait_s=30.0), [LAYOUT], role, BS,
+                      Counters())
 
     def opener(url, timeout, transport):
         if fail:
@@ -54,7 +56,7 @@ def side(store, role="kv_both", fail=False) -> SchedulerSide:
 
 def request(prompt, rid="r1"):
     return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, mm_features=[], lora_request=None,
-                           prompt_embeds=None)
+                           prompt_embeds=None, cache_salt=None, kv_transfer_params=None)
 
 
 def put_blocks(store, prompt, n):
@@ -67,7 +69,7 @@ def test_one_batched_lookup_and_never_the_last_token():
     prompt = list(range(3 * BS))  # exactly 3 blocks: the last token's block may not be claimed
     put_blocks(store, prompt, 3)
     s = side(store)
-    assert s.get_num_new_matched_tokens(request(prompt), 0) == (2 * BS, False)
+    assert s.get_num_new_matched_tokens(request(prompt), 0) == (2 * BS, True)
     assert store.batch_calls == 1 and store.exists_calls == 0
 
 
@@ -78,8 +80,8 @@ def test_hits_are_the_contiguous_run_after_the_local_prefix():
     for i in (0, 1, 2, 4):  # block 3 missing: block 4 cannot be used
         store.store.put(block_key(LAYOUT.fingerprint(), digests[i]), b"x")
     s = side(store)
-    assert s.get_num_new_matched_tokens(request(prompt), 0) == (3 * BS, False)
-    assert s.get_num_new_matched_tokens(request(prompt), BS) == (2 * BS, False)  # beyond vLLM's local hit
+    assert s.get_num_new_matched_tokens(request(prompt), 0) == (3 * BS, True)
+    assert s.get_num_new_matched_tokens(request(prompt), BS) == (2 * BS, True)  # beyond vLLM's local hit
     assert s.get_num_new_matched_tokens(request(prompt), 3 * BS) == (0, False)
 
 
@@ -127,7 +129,11 @@ def test_chunked_prefill_saves_each_full_block_once():
     third = s.build_connector_meta(step(cached_ids=["r1"], cached_new_blocks=[None], cached_computed=[3 * BS + 2],
                                         scheduled={"r1": 1}))
     assert third.saves == []
-    assert s.request_finished(request(prompt), [4, 5, 6, 7]) == (False, None)
+    hold, params = s.request_finished(request(prompt), [4, 5, 6, 7])
+    assert hold  # saves queued: vLLM keeps the blocks until a worker reports them
+    assert params == {"kvstore": {"version": 1, "fingerprint": LAYOUT.fingerprint(), "num_tokens": 3 * BS,
+                                  "saved_blocks": 3, "dropped_blocks": 0, "pending": True}}
+    assert s.build_connector_meta(step()).held == ["r1"]
 
 
 def test_loaded_blocks_are_planned_once_and_not_saved_again():
@@ -135,7 +141,7 @@ def test_loaded_blocks_are_planned_once_and_not_saved_again():
     prompt = list(range(3 * BS + 1))
     put_blocks(store, prompt, 2)
     s = side(store)
-    assert s.get_num_new_matched_tokens(request(prompt), 0) == (2 * BS, False)
+    assert s.get_num_new_matched_tokens(request(prompt), 0) == (2 * BS, True)
     s.update_state_after_alloc(request(prompt), blocks([1, 2, 3, 9]), 2 * BS)
     meta = s.build_connector_meta(step(new=[new_req(prompt, [1, 2, 3, 9], 2 * BS)], scheduled={"r1": BS + 1}))
     assert [t.block_ids for t in meta.loads] == [[1, 2]]
@@ -153,17 +159,135 @@ def test_store_down_is_a_counted_miss():
     assert s.counters.lookup_errors == 2 and s.link.faults == 1
 
 
-def test_multimodal_or_lora_requests_are_neither_looked_up_nor_saved():
+def test_multimodal_requests_are_neither_looked_up_nor_saved():
     store = CountingStore()
     prompt = list(range(3 * BS))
     put_blocks(store, prompt, 2)
     s = side(store)
     req = request(prompt)
-    req.lora_request = SimpleNamespace(lora_name="adapter")
+    req.mm_features = [object()]
     assert s.get_num_new_matched_tokens(req, 0) == (0, False) and store.batch_calls == 0
     s.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
     meta = s.build_connector_meta(step(new=[new_req(prompt, [1, 2, 3], 0)], scheduled={"r1": 3 * BS}))
     assert meta.saves == []
+
+
+@pytest.mark.parametrize("field,value", [("cache_salt", "tenant-a"),
+                                         ("lora_request", SimpleNamespace(lora_name="adapter", lora_path="/a"))])
+def test_salted_or_adapter_requests_have_keys_of_their_own(field, value):
+    store = CountingStore()
+    prompt = list(range(3 * BS))
+    put_blocks(store, prompt, 2)  # unsalted, no adapter
+    s = side(store)
+    req = request(prompt, "salted")
+    setattr(req, field, value)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # asked, and the plain blocks are not its own
+    assert store.batch_calls == 1
+    s.update_state_after_alloc(req, blocks([1, 2, 3]), 0)
+    meta = s.build_connector_meta(step(new=[new_req(prompt, [1, 2, 3], 0, rid="salted")],
+                                       scheduled={"salted": 3 * BS}))
+    plain = [d.hex() for d in block_hashes(prompt, BS, "vllm-prompt")]
+    assert len(meta.saves[0].digests) == 3 and not set(meta.saves[0].digests) & set(plain)
+    for d in meta.saves[0].digests[:2]:  # once saved under its own keys, the same salt hits
+        store.store.put(block_key(LAYOUT.fingerprint(), bytes.fromhex(d)), b"x")
+    again = request(prompt, "again")
+    setattr(again, field, value)
+    assert s.get_num_new_matched_tokens(again, 0) == (2 * BS, True)
+
+
+class SlowStore(CountingStore):
+    """Answers lookups only once ``gate`` is set (a slow daemon)."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.gate = threading.Event()
+
+    def batch_exists(self, keys):
+        assert self.gate.wait(30)
+        return super().batch_exists(keys)
+
+
+def test_a_slow_lookup_is_answered_on_a_later_step():
+    store = SlowStore()
+    prompt = list(range(3 * BS + 1))
+    put_blocks(store, prompt, 3)
+    s = side(store)
+    s.config = ConnectorConfig(url="unix:///unused", lookup_wait_s=0.01)
+    assert s.get_num_new_matched_tokens(request(prompt), 0) == (None, False)  # in flight: not yet
+    assert s.get_num_new_matched_tokens(request(prompt), 0) == (None, False)  # still the same lookup
+    store.gate.set()
+    s.config = ConnectorConfig(url="unix:///unused", lookup_wait_s=30.0)
+    assert s.get_num_new_matched_tokens(request(prompt), 0) == (3 * BS, True)
+    assert store.batch_calls == 1  # asked once
+
+
+def promised(prompt, blocks_, pending, rid="d1", fingerprint=None):
+    req = request(prompt, rid)
+    req.kv_transfer_params = {"kvstore": {"version": 1, "fingerprint": fingerprint or LAYOUT.fingerprint(),
+                                          "num_tokens": blocks_ * BS, "saved_blocks": blocks_,
+                                          "dropped_blocks": 0, "pending": pending}}
+    return req
+
+
+def test_a_promise_still_in_flight_is_waited_for_then_loaded():
+    store = CountingStore()
+    prompt = list(range(3 * BS + 1))
+    put_blocks(store, prompt, 1)  # the prefill's saves of blocks 1 and 2 have not landed yet
+    s = side(store)
+    req = promised(prompt, 3, pending=True)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    put_blocks(store, prompt, 3)
+    import time
+
+    deadline = time.monotonic() + 30
+    while (got := s.get_num_new_matched_tokens(req, 0)) == (None, False) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == (3 * BS, True)
+    assert s.counters.handoff_waits >= 1 and s.counters.promised_misses == 0
+
+
+def test_a_promise_that_never_arrives_is_a_counted_miss(caplog):
+    store = CountingStore()
+    prompt = list(range(3 * BS + 1))
+    put_blocks(store, prompt, 1)
+    s = side(store)
+    s.config = ConnectorConfig(url="unix:///unused", lookup_wait_s=30.0, handoff_wait_s=0.05)
+    import time
+
+    req = promised(prompt, 3, pending=True)
+    deadline = time.monotonic() + 30
+    while (got := s.get_num_new_matched_tokens(req, 0)) == (None, False) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == (BS, True)  # what is there is loaded; the rest is computed
+    assert s.counters.promised_misses == 1 and s.counters.promised_missing_blocks == 2
+    assert "was promised 3 blocks" in caplog.text
+    done = promised(prompt, 3, pending=False, rid="d2")  # nothing in flight: a miss at once, no wait
+    assert s.get_num_new_matched_tokens(done, 0) == (BS, True) and s.counters.promised_misses == 2
+
+
+def test_a_promise_of_another_layout_or_malformed_is_logged_not_fatal(caplog):
+    store = CountingStore()
+    prompt = list(range(2 * BS + 1))
+    put_blocks(store, prompt, 2)
+    s = side(store)
+    assert s.get_num_new_matched_tokens(promised(prompt, 2, True, "x", fingerprint="f" * 32), 0) == (2 * BS, True)
+    assert s.counters.promise_layout_mismatches == 1 and "prepared by an instance with layout" in caplog.text
+    bad = request(prompt, "bad")
+    bad.kv_transfer_params = {"kvstore": {"version": 9}}
+    assert s.get_num_new_matched_tokens(bad, 0) == (2 * BS, True)
+    assert "ignoring its kv_transfer_params" in caplog.text
+    other = request(prompt, "nixl")
+    other.kv_transfer_params = {"do_remote_prefill": True}  # another connector's params: not ours, no warning
+    assert s.get_num_new_matched_tokens(other, 0) == (2 * BS, True)
+
+
+def test_preempted_requests_are_told_to_the_workers():
+    s = side(CountingStore())
+    out = step()
+    out.preempted_req_ids = {"b", "a"}
+    assert s.build_connector_meta(out).preempted == ["a", "b"]
 
 
 def test_unknown_extra_config_keys_are_refused():

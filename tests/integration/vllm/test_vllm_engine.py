@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from conftest import Daemon, short_tmpdir  # noqa: E402
 from vllm_runner import BLOCK, EngineRunner, Run, claimable_tokens, flip_bytes, load_run, make_prompts, segment_address  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1800)
 
 
 def distinct_full_blocks(prompts: list[list[int]], block: int = BLOCK) -> int:
@@ -65,7 +65,7 @@ def saved(engine, workdir):
 
 def block_keys(d: Daemon) -> list[str]:
     with d.connect("tcp") as s:
-        return sorted(k for k in s.keys("vllm/") if not k.endswith("/layout"))
+        return sorted(k for k in s.keys("vllm/") if not k.endswith("/layout") and "/layouts/" not in k)
 
 
 def test_kv_both_shares_prefixes_across_processes(saved, engine, baseline, prompts):
@@ -78,6 +78,7 @@ def test_kv_both_shares_prefixes_across_processes(saved, engine, baseline, promp
     assert run2.tokens == baseline.tokens
     assert run2.cached == [claimable_tokens(p) for p in prompts]
     assert run2.counters["loaded_blocks"] > 0
+    assert run2.counters["async_loads"] > 0  # loaded on the loader thread, reported through get_finished
     assert run2.counters["load_errors"] == 0 and run2.counters["lookup_errors"] == 0
 
 
@@ -96,6 +97,7 @@ def test_consumer_with_another_layout_gets_no_false_hits(saved, engine, args):
     run = engine.run(url=d.unix_url, role="kv_consumer", args=args)
     assert run.counters["lookups"] > 0
     assert run.counters["hit_tokens"] == 0 and run.counters["loaded_blocks"] == 0
+    assert "which differs from this instance's layout" in run.stderr  # loud at start, not a silent miss
 
 
 def test_corrupt_block_is_detected_and_recomputed(saved, engine, baseline):
@@ -125,11 +127,12 @@ def test_prefill_decode_through_one_daemon(engine, workdir, baseline, prompts):
         d.stop()
     assert [t[:1] for t in producer.tokens] == [t[:1] for t in baseline.tokens]
     assert producer.counters["saved_blocks"] >= distinct_full_blocks(prompts)
+    assert producer.counters["held_requests"] == len(prompts)  # blocks kept by vLLM until their saves landed
     assert consumer.tokens == baseline.tokens
     assert consumer.cached == [claimable_tokens(p) for p in prompts]  # every full block came from the store
     assert consumer.counters["loaded_blocks"] == sum(claimable_tokens(p) // BLOCK for p in prompts)
     assert consumer.counters["saved_blocks"] == 0 and consumer.counters["load_errors"] == 0
-    assert stats["objects"] == distinct_full_blocks(prompts) + 1  # + the layout
+    assert stats["objects"] == distinct_full_blocks(prompts) + 2  # + the layout and the model's layout index
 
 
 def test_daemon_killed_mid_run_every_request_completes(engine, workdir, baseline):
@@ -170,7 +173,7 @@ def test_daemon_killed_mid_run_every_request_completes(engine, workdir, baseline
 def test_no_daemon_at_start_is_a_clear_error(engine, workdir):
     url = f"unix://{workdir}/nobody-here.sock"
     cmd, _ = engine.command(url=url)
-    proc = subprocess.run(cmd, env=engine.env(0), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=engine.env(0), capture_output=True, text=True, timeout=900)
     assert proc.returncode != 0
     assert "no kvstore daemon answers at" in proc.stderr and "kvstore serve --listen" in proc.stderr
 

@@ -73,6 +73,11 @@ def main() -> int:
 
         for conn in live_connectors():
             assert conn.wait_for_saves(30.0), "asynchronous saves still queued after 30 s"
+        for _ in range(100):  # an idle offline engine takes no step: step it so vLLM frees the held blocks
+            if not any(conn.has_pending_push_work() for conn in live_connectors()):
+                break
+            llm.llm_engine.step()
+        assert not any(conn.has_pending_push_work() for conn in live_connectors()), "blocks still held"
         for conn in live_connectors():
             for k, v in conn.counters.as_dict().items():
                 counters[k] = counters.get(k, 0) + v

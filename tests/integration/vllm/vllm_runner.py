@@ -30,6 +30,7 @@ def child_env() -> dict:
 class Run:
     results: list[dict]
     counters: dict
+    stderr: str = ""
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -81,11 +82,13 @@ class EngineRunner:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
 
-    def run(self, *, hash_seed: int = 0, timeout: float = 240, **kw) -> Run:
+    def run(self, *, hash_seed: int = 0, timeout: float = 900, **kw) -> Run:
         cmd, out = self.command(**kw)
         proc = subprocess.run(cmd, env=self.env(hash_seed), capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
-        return load_run(out)
+        run = load_run(out)
+        run.stderr = proc.stderr + proc.stdout
+        return run
 
 
 def load_run(path: str) -> Run:
