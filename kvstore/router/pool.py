@@ -81,8 +81,10 @@ class Pool:
 
     def checked(self, inst: Instance, ok: bool) -> None:
         """A health check's result: a pass readmits (and clears the count), a failure counts as one."""
-        inst.checked_at = time.monotonic()
-        if ok:
+        first, inst.checked_at = not inst.checked_at, time.monotonic()
+        if first and not ok:  # never seen up: not admitted until a check passes
+            inst.healthy = False
+        elif ok:
             inst.healthy, inst.failures = True, 0
         else:
             self.failed(inst)
