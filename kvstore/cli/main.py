@@ -275,6 +275,11 @@ def _add_optional_commands(sub) -> None:
                        description="The front door of a prefill/decode fleet (docs/router.md).")
     router_cli.add_arguments(p)
     p.set_defaults(handler=router_cli.run)
+    from kvstore.cli import pd as pd_cli
+
+    p = sub.add_parser("pd", help="a local prefill/decode fleet: `kvstore pd up --model DIR` (Ctrl-C stops it)",
+                       description="A local prefill/decode fleet behind kvstore router.")
+    pd_cli.add_arguments(p)
     try:
         from kvstore.planner import cli as planner_cli
     except ImportError:

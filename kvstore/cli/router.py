@@ -16,6 +16,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "when the store is down); repeatable")
     p.add_argument("--store", metavar="URL", help="the kvstore daemon the instances share: checked, and "
                    "requests are served colocated while it does not answer")
+    p.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
+                   help="the instances' KV block size, for the default threshold (default %(default)s)")
+    add_policy_arguments(p)
+
+
+def add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """The router's options beyond its pools (shared with ``kvstore pd up``)."""
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="default %(default)s")
     p.add_argument("--admission", default="none", choices=["none", "budget"],
                    help="none: least outstanding tokens at once; budget: two queues held against the TTFT and "
@@ -25,8 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-prefill-below", type=int, metavar="TOKENS",
                    help="prompts shorter than this go straight to decode (default: computed from the measured "
                         "prefill cost and hop overhead, at least one block + 1)")
-    p.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
-                   help="the instances' KV block size, for the default threshold (default %(default)s)")
     p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S", help="default %(default)s")
     p.add_argument("--decode-timeout", type=float, default=900.0, metavar="S", help="default %(default)s")
     p.add_argument("--idle-timeout", type=float, default=120.0, metavar="S",
@@ -35,18 +40,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def config_from(args: argparse.Namespace):
+def config_from(args: argparse.Namespace, prefill=None, decode=None, colocated=None, store=None):
+    """The RouterConfig of the parsed options; pools and store given explicitly override them."""
     from kvstore.router.config import AdmissionKind, RouterConfig, parse_listen
 
     host, port = parse_listen(args.listen)
-    return RouterConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), colocated=tuple(args.colocated),
-                        store=args.store, host=host, port=port, admission=AdmissionKind(args.admission),
+    pools = {"prefill": prefill, "decode": decode, "colocated": colocated}
+    pools = {k: tuple(v if v is not None else getattr(args, k)) for k, v in pools.items()}
+    return RouterConfig(**pools, store=store or getattr(args, "store", None), host=host, port=port,
+                        admission=AdmissionKind(args.admission),
                         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, skip_prefill_below=args.skip_prefill_below,
                         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
                         idle_timeout_s=args.idle_timeout, health_interval_s=args.health_interval)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, config=None) -> int:
+    """Serve until SIGINT/SIGTERM."""
     try:
         from kvstore.router.router import Router
         from kvstore.router.server import run as run_router
@@ -54,5 +63,5 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"kvstore router needs the router extra (pip install -e '.[router]'): {exc}") from None
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from(args)
+    config = config or config_from(args)
     return run_router(config, Router(config, block_tokens=args.block_size))

@@ -69,6 +69,18 @@ def spawn(name: str, cmd: list[str], log_dir: str, env: dict | None = None) -> C
     return Child(name, proc, log_path)
 
 
+def project_env() -> dict:
+    """This environment with the checkout that ``kvstore`` was imported from first on PYTHONPATH (children
+    then run the same code), unbuffered output."""
+    import kvstore
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvstore.__file__)))
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
 def connector_config(role: str, store_url: str, extra: dict | None = None) -> str:
     """The ``--kv-transfer-config`` of an instance of ``role`` (kv_producer / kv_consumer / kv_both)."""
     return json.dumps({"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm",

@@ -154,7 +154,8 @@ class RouterApp:
         up = await asyncio.to_thread(_store_answers, self.router.config.store,
                                      min(self.router.config.health_interval_s, 2.0))
         if up != self.router.store_up:
-            log.warning("kvstore daemon at %s is %s", self.router.config.store, "up" if up else "DOWN")
+            level = logging.INFO if up and self.router.store_up is None else logging.WARNING
+            log.log(level, "kvstore daemon at %s is %s", self.router.config.store, "up" if up else "DOWN")
         self.router.store_up = up
 
 
