@@ -148,15 +148,18 @@ class Router:
             inst = await self._admit(candidates, stage, load, deadline, queue="decode")
             tried.append(inst)
             table = inst.decoding if stage is Stage.DECODE else inst.prefilling
+            alone = not inst.prefilling  # then its first token measures its prefill alone
             table[req.key] = load
-            last = [0.0]
+            last, sent = [0.0], time.monotonic()
 
-            def on_token(t: float, inst=inst, table=table, last=last) -> None:
+            def on_token(t: float, inst=inst, table=table, last=last, alone=alone, sent=sent) -> None:
                 if not last[0]:
                     self.metrics.ttft.labels(klass).observe(t - arrived)
                     if table is inst.prefilling:  # the prompt is done: from now on it only decodes
                         inst.prefilling.pop(req.key, None)
                         inst.decoding[req.key] = load
+                        if req.stream:
+                            self.est.observe_prefill(load.prompt_tokens, t - sent, queued=not alone)
                 elif req.stream:
                     self.est.observe_step(len(inst.decoding), t - last[0])
                 last[0] = t
