@@ -11,8 +11,8 @@ all measured in the same run:
 3. **Overload**: the instance's capacity for the overload request shape is measured straight (closed loop),
    then the same seeded Poisson arrivals at ``--overload`` × capacity, half interactive and half background,
    go through a router with ``--admission none`` and one with ``--admission budget``. Goodput = requests/s
-   answered within both budgets (TTFT and mean TPOT). Budgets default to multiples of the unloaded latencies
-   measured in step 1.
+   answered within both budgets (TTFT and mean TPOT). The budgets default to the p90 TTFT and TPOT the
+   instance gives at capacity (``--capacity-clients`` closed-loop clients): what it can serve.
 
     python -m benchmarks.bench_router [--model DIR] [--requests 40] [--overload 2] [--json out.json]
 """
@@ -92,18 +92,19 @@ async def added_latency(session, direct: str, router: str, args, rng) -> dict:
 
 
 async def closed_loop(session, base: str, clients: int, seconds: float, tokens: int, max_tokens: int,
-                      stream: bool, rng) -> float:
-    """Requests/s answered 200 by ``clients`` clients sending back to back for ``seconds``."""
-    end, done = time.monotonic() + seconds, [0]
+                      stream: bool, rng) -> tuple[float, list[dict]]:
+    """(requests/s answered 200, their results) of ``clients`` clients sending back to back for ``seconds``."""
+    end, done = time.monotonic() + seconds, []
 
     async def client():
         while time.monotonic() < end:
             res = await one(session, base, prompt(tokens, rng), max_tokens, stream)
-            done[0] += res["status"] == 200
+            if res["status"] == 200:
+                done.append(res)
 
     start = time.monotonic()
     await asyncio.gather(*(client() for _ in range(clients)))
-    return done[0] / (time.monotonic() - start)
+    return len(done) / (time.monotonic() - start), done
 
 
 async def open_loop(session, base: str, arrivals: list[tuple[float, list[int], str]], max_tokens: int) -> list:
@@ -146,13 +147,13 @@ async def measure(fleet: Fleet, instance: str, args) -> dict:
         out["latency"] = await added_latency(session, instance, router, args, rng)
         rates = {}
         for name, base in (("direct", instance), ("router", router)):
-            rates[name] = await closed_loop(session, base, args.concurrency, args.seconds, 16, 1, False, rng)
+            rates[name], _ = await closed_loop(session, base, args.concurrency, args.seconds, 16, 1, False, rng)
         out["throughput"] = {**{f"{k}_rps": v for k, v in rates.items()}, "ratio": rates["router"] / rates["direct"]}
-        lat = out["latency"]["direct"]
-        ttft = args.slo_ttft or 4 * lat["ttft_p50_ms"] / 1e3
-        tpot = args.slo_tpot or 3 * max(lat["tpot_p50_ms"], 1.0) / 1e3
-        capacity = await closed_loop(session, instance, 4, args.seconds, args.prompt_tokens, args.max_tokens,
-                                     True, rng)
+        # capacity: the instance kept busy by --capacity-clients; the budgets: the p90 latencies it gives there
+        capacity, served = await closed_loop(session, instance, args.capacity_clients, 2 * args.seconds,
+                                             args.prompt_tokens, args.max_tokens, True, rng)
+        ttft = args.slo_ttft or percentiles([r["ttft_s"] for r in served], (90,))[0]
+        tpot = args.slo_tpot or percentiles([r["tpot_s"] for r in served], (90,))[0]
         rate = args.overload * capacity
         arrivals, t, arng = [], 0.0, random.Random(args.seed + 1)
         while t < args.overload_seconds:
@@ -207,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="length of each closed loop")
     p.add_argument("--overload", type=float, default=2.0, help="arrival rate as a multiple of capacity")
     p.add_argument("--overload-seconds", type=float, default=20.0)
-    p.add_argument("--slo-ttft", type=float, help="default: 4 x the unloaded TTFT p50")
-    p.add_argument("--slo-tpot", type=float, help="default: 3 x the unloaded TPOT p50")
+    p.add_argument("--capacity-clients", type=int, default=4,
+                   help="closed-loop clients that define the instance's capacity (default %(default)s)")
+    p.add_argument("--slo-ttft", type=float, help="default: the TTFT p90 at capacity")
+    p.add_argument("--slo-tpot", type=float, help="default: the TPOT p90 at capacity")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)

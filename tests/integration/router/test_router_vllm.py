@@ -7,8 +7,10 @@ from __future__ import annotations
 import http.client
 import importlib.util
 import json
+import os
 import random
 import shutil
+import signal
 import time
 from urllib.parse import urlsplit
 
@@ -232,3 +234,49 @@ def test_budget_admission_answers_429_when_the_tpot_budget_cannot_be_met(fleet):
     assert wait_until(lambda: metric(base, "kvstore_router_outstanding_tokens") == 0, 60)
     status, _, _ = post(base, "/v1/completions", completion(fleet, "w5 w6"), timeout=120)
     assert status == 200  # an idle instance takes a request whatever the budget
+
+
+def _child(fleet, name: str):
+    return next(c for c in fleet["fleet"].children if c.name == name)
+
+
+def test_a_stuck_prefill_instance_times_out_falls_back_is_ejected_and_readmitted(fleet):
+    _, base = start_router(fleet["fleet"], "router-stuck-prefill", "--prefill", fleet["prefill"], "--decode",
+                           fleet["decode"], "--skip-prefill-below", "1", "--prefill-timeout", "3")
+    group = _child(fleet, "prefill").proc.pid
+    os.killpg(group, signal.SIGSTOP)  # alive, accepting connections, answering nothing
+    try:
+        status, _, answer = post(base, "/v1/completions", completion(fleet, words(BLOCK + 5, seed=10)), timeout=120)
+        assert status == 200, answer
+        assert metric(base, "kvstore_router_hop_errors_total", pool="prefill", reason="timeout") >= 1
+        assert wait_until(lambda: metric(base, "kvstore_router_instance_up", pool="prefill",
+                                         url=fleet["prefill"]) == 0, 30)
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    assert wait_until(lambda: metric(base, "kvstore_router_instance_up", pool="prefill", url=fleet["prefill"]) == 1,
+                      60)
+
+
+def test_a_decode_instance_stuck_mid_stream_ends_the_stream_with_an_error_event(fleet):
+    _, base = start_router(fleet["fleet"], "router-stuck-decode", "--colocated", fleet["decode"],
+                           "--idle-timeout", "3")
+    u = urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    body = completion(fleet, words(20, seed=11), max_tokens=1500, stream=True)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    group = _child(fleet, "decode").proc.pid
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        rest = resp.read()  # ends: the router cuts the silent hop after --idle-timeout
+    finally:
+        os.killpg(group, signal.SIGCONT)
+        conn.close()
+    events = [line[6:] for line in rest.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == 503
+    assert wait_until(lambda: metric(base, "kvstore_router_instance_up", pool="colocated", url=fleet["decode"]) == 1,
+                      60)
+    status, _, _ = post(base, "/v1/completions", completion(fleet, "w5 w6"), timeout=120)
+    assert status == 200  # the router keeps serving
