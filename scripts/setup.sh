@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
 fi
-"$PY" -m pip install -q -e ".[test,fast,cluster,bench,ucx]"
+"$PY" -m pip install -q -e ".[test,fast,cluster,bench,ucx,router]"
 # vLLM (about 2.5 GB) once: it pins torch==2.13.0+cpu, the build installed above. Its torchvision, torchaudio
 # and torchcodec do not load on CPU and break `from transformers import LlamaConfig`: remove them.
 if ! "$PY" -c "import vllm, transformers" 2>/dev/null; then

@@ -293,6 +293,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_commands(sub) -> None:
     """Commands whose modules may be absent in a trimmed install."""
+    from kvstore.cli import router as router_cli
+
+    p = sub.add_parser("router", help="serve the OpenAI API in front of prefill/decode/colocated vLLM servers",
+                       description="The front door of a prefill/decode fleet (docs/router.md).")
+    router_cli.add_arguments(p)
+    p.set_defaults(handler=router_cli.run)
+    from kvstore.cli import pd as pd_cli
+
+    p = sub.add_parser("pd", help="a local prefill/decode fleet: `kvstore pd up --model DIR` (Ctrl-C stops it)",
+                       description="A local prefill/decode fleet behind kvstore router.")
+    pd_cli.add_arguments(p)
     try:
         from kvstore.planner import cli as planner_cli
     except ImportError:

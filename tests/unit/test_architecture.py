@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.client", "kvstore.daemon", "kvstore.planner"),
     ("kvstore.handoff", "kvstore.cluster"),
     ("kvstore.integrations", "kvstore.api"),
+    ("kvstore.router",),
     ("kvstore.cli", "kvstore.demo", "kvstore.testing"),
     ("benchmarks",),
 ]

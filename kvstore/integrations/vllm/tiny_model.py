@@ -42,3 +42,26 @@ def build_tiny_llama(directory: str, *, seed: int = 0, dtype: str = "float32", c
     with open(marker, "w") as f:
         json.dump(wanted, f)
     return directory
+
+
+def build_tiny_tokenizer(directory: str) -> str:
+    """Write a word-level tokenizer for the tiny Llama into ``directory`` (a Hugging Face fast tokenizer with a
+    chat template), so that an OpenAI server can serve text prompts, chat and ``/tokenize`` on it; return it.
+
+    Its vocabulary is the model's: ``<unk>`` (0), ``<s>`` (1), ``</s>`` (2), then the words ``w3`` … ``w1023``;
+    text splits on whitespace and punctuation, and any other word is ``<unk>``. Offline, deterministic."""
+    if os.path.exists(os.path.join(directory, "tokenizer.json")):
+        return directory
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, TINY_CONFIG["vocab_size"])}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    os.makedirs(directory, exist_ok=True)
+    fast.save_pretrained(directory)
+    return directory

@@ -1,0 +1,67 @@
+"""``kvstore router``: the OpenAI front door of a prefill/decode fleet (docs/router.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill instance (vLLM OpenAI server, kv_producer), e.g. http://127.0.0.1:8100; repeatable")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode instance (kv_consumer); repeatable")
+    p.add_argument("--colocated", action="append", default=[], metavar="URL",
+                   help="an instance that serves whole requests (used when no prefill/decode pair can, or "
+                        "when the store is down); repeatable")
+    p.add_argument("--store", metavar="URL", help="the kvstore daemon the instances share: checked, and "
+                   "requests are served colocated while it does not answer")
+    p.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
+                   help="the instances' KV block size, for the default threshold (default %(default)s)")
+    add_policy_arguments(p)
+
+
+def add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """The router's options beyond its pools (shared with ``kvstore pd up``)."""
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="default %(default)s")
+    p.add_argument("--admission", default="none", choices=["none", "budget"],
+                   help="none: least outstanding tokens at once; budget: two queues held against the TTFT and "
+                        "TPOT budgets, 429 + Retry-After when they cannot be met (default %(default)s)")
+    p.add_argument("--slo-ttft", type=float, default=2.0, metavar="S", help="TTFT budget (default %(default)s)")
+    p.add_argument("--slo-tpot", type=float, default=0.2, metavar="S", help="TPOT budget (default %(default)s)")
+    p.add_argument("--skip-prefill-below", type=int, metavar="TOKENS",
+                   help="prompts shorter than this go straight to decode (default: computed from the measured "
+                        "prefill cost and hop overhead, at least one block + 1)")
+    p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S", help="default %(default)s")
+    p.add_argument("--decode-timeout", type=float, default=900.0, metavar="S", help="default %(default)s")
+    p.add_argument("--idle-timeout", type=float, default=120.0, metavar="S",
+                   help="longest silence of an instance within a hop (default %(default)s)")
+    p.add_argument("--health-interval", type=float, default=2.0, metavar="S", help="default %(default)s")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from(args: argparse.Namespace, prefill=None, decode=None, colocated=None, store=None):
+    """The RouterConfig of the parsed options; pools and store given explicitly override them."""
+    from kvstore.router.config import AdmissionKind, RouterConfig, parse_listen
+
+    host, port = parse_listen(args.listen)
+    pools = {"prefill": prefill, "decode": decode, "colocated": colocated}
+    pools = {k: tuple(v if v is not None else getattr(args, k)) for k, v in pools.items()}
+    return RouterConfig(**pools, store=store or getattr(args, "store", None), host=host, port=port,
+                        admission=AdmissionKind(args.admission),
+                        slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, skip_prefill_below=args.skip_prefill_below,
+                        prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
+                        idle_timeout_s=args.idle_timeout, health_interval_s=args.health_interval)
+
+
+def run(args: argparse.Namespace, config=None) -> int:
+    """Serve until SIGINT/SIGTERM."""
+    try:
+        from kvstore.router.router import Router
+        from kvstore.router.server import run as run_router
+    except ImportError as exc:
+        raise ValueError(f"kvstore router needs the router extra (pip install -e '.[router]'): {exc}") from None
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config or config_from(args)
+    return run_router(config, Router(config, block_tokens=args.block_size))
