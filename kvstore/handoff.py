@@ -40,6 +40,7 @@ from kvstore.errors import (
     HandoffChecksumError,
     HandoffTimeoutError,
     InvalidArgumentError,
+    KeyExistsError,
     KeyNotFoundError,
     LayoutMismatchError,
     ObjectBusyError,
@@ -167,19 +168,55 @@ class KVHandoff:
         self.store.put(claim, self.producer.encode(), ttl=ttl, ephemeral=True)
         self.store.put(keys["status"], self._status("publishing", None, rid, ttl), ttl=ttl + self.status_ttl)
         batch = self.store.reservation(ttl=ttl)
+        fresh: dict[str, Reservation] = {}  # prefix chunks not stored yet: each committed alone, only if absent
         try:
-            checksums = [self._gather_chunk(batch, name, kv_caches, ids[b0:b1])
-                         for name, (b0, b1) in zip(names, bounds, strict=True)]
+            checksums = self._gather_chunks(batch, fresh, names, bounds, kv_caches, ids, ttl)
         except BaseException:
-            batch.abort()
+            for reservation in (batch, *fresh.values()):
+                reservation.abort()
             _quietly(self.store.remove, claim)
             raise
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-handoff")
         chunk_blocks = tuple(b1 - b0 for b0, b1 in bounds)
-        future = self._pool.submit(self._commit, rid, batch, names, chunk_blocks, checksums, num_tokens, token_ids,
-                                   ttl)
+        future = self._pool.submit(self._commit, rid, batch, fresh, names, chunk_blocks, checksums, num_tokens,
+                                   token_ids, ttl)
         return Ticket(rid, future)
+
+    def _gather_chunks(self, batch: Reservation, fresh: dict[str, Reservation], names: list[str], bounds: list,
+                       kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, ttl: float) -> list[int]:
+        """Gather every chunk; a prefix chunk nobody has stored yet into a reservation of its own (``fresh``) that
+        commits only if the key is still absent, so that of two producers of one prefix the first one's bytes
+        stay (the request's batch could not commit them if-absent without failing as a whole)."""
+        shared = [name for name in names if name.startswith("kvp/")]
+        stored = {n for n, here in zip(shared, self.store.batch_exists(shared) if shared else [], strict=True) if here}
+        checksums = []
+        for name, (b0, b1) in zip(names, bounds, strict=True):
+            if name.startswith("kvp/") and name not in stored:
+                fresh[name] = self.store.reservation(ttl=ttl, if_absent=True)
+                try:
+                    checksums.append(self._gather_chunk(fresh[name], name, kv_caches, ids[b0:b1]))
+                    continue
+                except KeyExistsError:  # stored by another producer meanwhile: handled as a stored one
+                    fresh.pop(name).abort()
+            checksums.append(self._gather_chunk(batch, name, kv_caches, ids[b0:b1]))
+        return checksums
+
+    def _commit_fresh(self, fresh: dict[str, Reservation], names: list[str], checksums: list[int]) -> list[int]:
+        """Commit the fresh prefix chunks, each only if still absent; a producer that lost the race records the
+        winner's checksum. Returns the checksums to record."""
+        recorded = list(checksums)
+        for name, reservation in fresh.items():
+            i = names.index(name)
+            try:
+                reservation.commit([checksums[i]])
+            except KeyExistsError:
+                try:
+                    recorded[i] = int(self.store.inspect(name)["checksum"], 16)
+                except (KeyNotFoundError, TypeError) as exc:
+                    raise HandoffAbortedError(f"prefix chunk {name} was stored by another producer and is gone "
+                                              f"again ({type(exc).__name__}); publish the request again") from None
+        return recorded
 
     def _gather_chunk(self, batch: Reservation, key: str, kv_caches: Sequence[torch.Tensor],
                       ids: torch.Tensor) -> int:
@@ -196,11 +233,19 @@ class KVHandoff:
             return xxhash.xxh3_64_intdigest(view)
         return ops.gather_pages(kv_caches, ids, view, layout=self.layout, checksum=True)[1]
 
-    def _commit(self, rid: str, batch: Reservation, names: list[str], chunk_blocks: tuple[int, ...],
-                checksums: list[int], num_tokens: int, token_ids, ttl: float) -> RequestMeta:
+    def _commit(self, rid: str, batch: Reservation, fresh: dict[str, Reservation], names: list[str],
+                chunk_blocks: tuple[int, ...], checksums: list[int], num_tokens: int, token_ids, ttl: float
+                ) -> RequestMeta:
         keys = request_keys(rid)
         nbytes = sum(chunk_blocks) * self.layout.block_nbytes
-        checksums, sent = self._keep_shared_chunks(batch, names, checksums)
+        try:
+            checksums = self._commit_fresh(fresh, names, checksums)
+            checksums, sent = self._keep_shared_chunks(batch, names, checksums, set(fresh))
+        except BaseException:
+            for reservation in (batch, *fresh.values()):
+                reservation.abort()  # those committed stay: prefix cache
+            _quietly(self.store.remove, keys["claim"])
+            raise
         meta = RequestMeta(
             request_id=rid, layout=self.layout.to_dict(), fingerprint=self.layout.fingerprint(),
             num_tokens=num_tokens, num_blocks=sum(chunk_blocks), chunk_keys=tuple(names), chunk_blocks=chunk_blocks,
@@ -221,13 +266,14 @@ class KVHandoff:
             self._drop(meta, keep_chunks=False)
         return meta
 
-    def _keep_shared_chunks(self, batch: Reservation, names: list[str], checksums: list[int]
+    def _keep_shared_chunks(self, batch: Reservation, names: list[str], checksums: list[int], fresh: set[str]
                             ) -> tuple[list[int], list[int]]:
-        """A prefix chunk another producer already stored with other bytes (same tokens, numerically different
-        KV) is kept as it is, never replaced under a request that references it: ours is dropped and this request
-        records theirs. Returns (the checksums to record, those of the chunks still to commit)."""
-        shared = [i for i, name in enumerate(names) if name.startswith("kvp/")]
-        recorded, dropped = list(checksums), set()
+        """A prefix chunk of the batch (one that was stored when this publish began) that another producer stored
+        with other bytes (same tokens, numerically different KV) is kept as it is, never replaced under a request
+        that references it: ours is dropped and this request records theirs. Returns (the checksums to record,
+        those of the batch's chunks still to commit)."""
+        shared = [i for i, name in enumerate(names) if name.startswith("kvp/") and name not in fresh]
+        recorded, dropped = list(checksums), set(i for i, name in enumerate(names) if name in fresh)
         found = self.store.batch_exists([names[i] for i in shared]) if shared else []
         for i, present in zip(shared, found, strict=True):
             try:

@@ -133,10 +133,13 @@ class KVStore(ABC):
                      for i, (key, nbytes) in enumerate(items)]
             yield views
 
-    def reservation(self, ttl: float | None = None, *, ephemeral: bool = False) -> Reservation:
+    def reservation(self, ttl: float | None = None, *, ephemeral: bool = False, if_absent: bool = False
+                    ) -> Reservation:
         """An open set of in-place writes: ``add(key, nbytes, ...)`` reserves one and returns its view,
-        ``commit(checksums)`` publishes all, ``abort()`` frees all (see :mod:`kvstore.client.reservation`)."""
-        return Reservation(self, PutFlags(ephemeral=ephemeral), ttl)
+        ``commit(checksums)`` publishes all, ``abort()`` frees all (see :mod:`kvstore.client.reservation`).
+        ``if_absent``: KeyExistsError (from ``add``, or from ``commit``, which then publishes nothing) when a key
+        is already stored."""
+        return Reservation(self, PutFlags(if_absent=if_absent, ephemeral=ephemeral), ttl)
 
     # ---- paged KV -----------------------------------------------------------------------------------
     def put_pages(self, key: str, kv_caches: Sequence[Any], block_ids: Any, *, layout: KVLayout,

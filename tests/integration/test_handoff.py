@@ -322,3 +322,32 @@ def test_a_second_producer_of_a_prefix_never_replaces_its_chunks(hstore):
         h.fetch(rid, dst, [4, 5, 6, 7], num_tokens=len(tokens))
         for got, want in zip(blocks(dst, [4, 5, 6, 7]), blocks(first, [0, 1, 2, 3]), strict=True):
             assert torch.equal(got, want), rid
+
+
+def test_concurrent_producers_of_a_prefix_agree_on_one_copy(hstore):
+    """Two prefill workers publish the same prefix at the same moment, with different bytes: both requests fetch
+    (no HandoffChecksumError), both get the same bytes, one producer's."""
+    first, second = child.caches(8, seed=1), child.caches(8, seed=2)
+    for trial in range(6):
+        tokens = [trial * 1000 + t for t in range(4 * BS)]
+        producers = [KVHandoff(hstore, LAYOUT, chunk_blocks=2) for _ in range(2)]
+        barrier = threading.Barrier(2)
+
+        def publish(h, rid, src, tokens=tokens, barrier=barrier):
+            barrier.wait()
+            h.publish(rid, src, [0, 1, 2, 3], num_tokens=len(tokens), token_ids=tokens).wait()
+
+        threads = [threading.Thread(target=publish, args=(h, f"t{trial}-{i}", src))
+                   for i, (h, src) in enumerate(zip(producers, (first, second), strict=True))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        got = []
+        for i in range(2):
+            dst = zeros(8)
+            producers[0].fetch(f"t{trial}-{i}", dst, [4, 5, 6, 7], num_tokens=len(tokens))
+            got.append(blocks(dst, [4, 5, 6, 7]))
+        assert all(torch.equal(a, b) for a, b in zip(got[0], got[1], strict=True)), trial
+        assert any(all(torch.equal(a, b) for a, b in zip(got[0], blocks(src, [0, 1, 2, 3]), strict=True))
+                   for src in (first, second))
