@@ -182,6 +182,9 @@ def run_plan(args) -> str:
         split = ev.results[Arch.DISAGGREGATED].deployment.prefill_workers
         crossovers = [bandwidth_crossover(planner, split), prompt_crossover(planner, split)]
     text = render(planner, ev, verdict, crossovers)
+    if verdict.winner is None:
+        text += (f"\n\nhint: nothing meets the SLO with {config.gpus} GPU(s); `kvstore plan --search` (same options) "
+                 f"finds how many GPUs, in what split, each architecture needs")
     too_long = sum(r.prompt_tokens + r.output_tokens > config.model.max_context for r in trace.requests)
     if too_long and config.cost is None:
         text += (f"\n\nnote: {too_long} request(s) exceed {config.model.name}'s {config.model.max_context}-token "
