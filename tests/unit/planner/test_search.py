@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from paths import TRACES
 
 from kvstore.planner import presets
 from kvstore.planner.burst import Burst, plan_burst, with_burst
@@ -19,7 +20,7 @@ from kvstore.planner.probe import Prober, allowed_misses, trace_rate
 from kvstore.planner.search import FleetSearch, search
 from kvstore.planner.searchreport import router_config
 from kvstore.planner.thresholds import handoff_thresholds
-from kvstore.workloads.trace import Trace, TraceRequest, get_workload, poisson
+from kvstore.workloads.trace import Trace, TraceRequest, get_workload, load_trace, poisson
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -217,3 +218,15 @@ def test_burst_grows_the_prefill_pool_while_decode_stays():
         assert f.burst is not None and f.burst.workers > f.steady.workers  # the whole fleet grows
     assert "decode pool unchanged" in "\n".join(plan.lines())
     assert plan.to_dict()["fleets"]["disaggregated"]["added_gpus"] == d.burst.gpus - d.steady.gpus
+
+
+def test_worked_example_claim_tp1_cannot_serve_the_mooncake_tail():
+    # docs/planner.md: on one H100 a lone prefill misses the 2 s TTFT for 11 % of the Mooncake prompts
+    path = TRACES / "mooncake_synthetic_trace.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} not present")
+    trace = load_trace(path)
+    model, gpu = presets.get_model("llama-3-8b"), presets.get_gpu("h100")
+    one, two = (presets.cost_model_for(model, gpu, tp) for tp in (1, 2))
+    assert ceiling(trace, one, SLO()) == pytest.approx(0.89, abs=0.005)
+    assert ceiling(trace, two, SLO()) > 0.95
