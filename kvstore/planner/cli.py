@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also plan for a burst of long documents at RATE/s added to the traffic")
     srch.add_argument("--burst-prompt", type=int, default=16384, help="burst documents' prompt tokens (mean)")
     srch.add_argument("--burst-output", type=int, default=256, help="burst documents' output tokens (mean)")
+    srch.add_argument("--burst-window", metavar="START:END", help="seconds of the trace the burst lasts "
+                      "(default: all of it; END may be empty)")
     srch.add_argument("--router-config", metavar="PATH",
                       help="write the disaggregated plan as a kvstore router configuration (JSON)")
 
@@ -218,8 +220,10 @@ def run_search(args) -> str:
     doc = searchreport.to_json(result, config.slo, link, thresholds)
     if args.burst is not None:
         steady = {a: p.best.deployment if p.best else None for a, p in result.plans.items()}
+        start, end = _window_arg(args.burst_window)
         burst = plan_burst(config, trace.scaled(time=result.trace_rate / result.rate),
-                           Burst(args.burst, args.burst_prompt, args.burst_output, args.seed), args.max_gpus, steady)
+                           Burst(args.burst, args.burst_prompt, args.burst_output, args.seed, start, end),
+                           args.max_gpus, steady)
         extra += burst.lines()
         doc["burst"] = burst.to_dict()
     if args.json:
@@ -232,6 +236,16 @@ def run_search(args) -> str:
     head = [f"trace   {trace.describe()}",
             f"model   {config.model.name} on {config.gpu.name}; link {config.link.name}"]
     return "\n".join(head) + "\n" + searchreport.render(result, config.slo, link, extra)
+
+
+def _window_arg(text: str | None) -> tuple[float, float | None]:
+    if not text:
+        return 0.0, None
+    start, sep, end = text.partition(":")
+    try:
+        return float(start or 0), (float(end) if end else None)
+    except ValueError:
+        raise ValueError(f"--burst-window takes START:END in seconds, got {text!r}") from None
 
 
 # -- calibrate ------------------------------------------------------------------------------------------------

@@ -203,12 +203,23 @@ def test_with_burst_adds_long_documents_over_the_span(short_trace):
     assert 12000 < sum(r.prompt_tokens for r in docs) / len(docs) < 20000
     with pytest.raises(ValueError):
         Burst(rate=0.0)
+    with pytest.raises(ValueError):
+        Burst(rate=1.0, start_s=5.0, end_s=5.0)
+
+
+def test_a_burst_window_changes_the_long_prompt_share_over_time(short_trace):
+    bursty = with_burst(short_trace, Burst(rate=20.0, start_s=3.0, end_s=6.0, seed=2))
+    docs = [r for r in bursty.requests if r.id >= len(short_trace)]
+    assert docs and all(3.0 <= r.arrival_s <= 6.0 for r in docs)
+    with pytest.raises(ValueError, match="outside the trace"):
+        with_burst(short_trace, Burst(rate=1.0, start_s=1e6))
 
 
 def test_burst_grows_the_prefill_pool_while_decode_stays():
     trace = poisson(get_workload("short"), 100.0, 1500, seed=4)
     config = _config(SLO(ttft_s=2.0, tpot_s=0.025))
-    plan = plan_burst(config, trace, Burst(rate=4.0, prompt_tokens=16384, output_tokens=256), max_gpus=16)
+    plan = plan_burst(config, trace, Burst(rate=4.0, prompt_tokens=16384, output_tokens=256, start_s=5.0,
+                                           end_s=12.0), max_gpus=16)
     d = plan.fleets[Arch.DISAGGREGATED]
     assert d.steady is not None and d.burst is not None
     assert d.burst.decode_workers == d.steady.decode_workers  # the documents need prompt work, not decoding
