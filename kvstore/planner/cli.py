@@ -3,7 +3,7 @@
     kvstore plan --model llama-3-8b --gpus 2 --link 10gbe --trace FILE [--gpu h100|h200]
                  [--slo-ttft S --slo-tpot S] [--json PATH]
     kvstore plan --search --model llama-3-8b --link rdma-100g --trace FILE [--rate R] [--max-gpus N]
-                 [--json PATH] [--plot PATH.png] [--router-config PATH]
+                 [--json PATH] [--plot PATH.png] [--router-config PATH] [--burst RATE [--burst-window A:B]]
     kvstore plan --calibrate DIR [DIR ...] [--save FILE]
     kvstore plan --list-presets
 
