@@ -3,8 +3,9 @@
 The seed's point about capacity planning: when the long-prompt share of traffic rises for a while (a
 batch of documents to summarise), a disaggregated fleet adds prefill workers and leaves its decode pool
 as it is, while a colocated fleet (colocated or chunked) can only grow as a whole. :func:`plan_burst`
-sizes both for the steady traffic and for the same traffic with the burst added (:func:`with_burst`:
-Poisson arrivals of long documents over the trace's span), and says what each must add.
+sizes both for the steady traffic and for the traffic of the burst (:func:`with_burst`: Poisson arrivals
+of long documents in a window of the trace, so the long-prompt share changes over time; the burst fleets
+are sized on the requests that arrive in the window), and says what each must add.
 
 For the disaggregated fleet the decode pool is held at its steady size and the search grows only the
 prefill pool (gallop and bisect, as :func:`kvstore.planner.search.smallest`); only when no prefill pool
@@ -27,12 +28,15 @@ from kvstore.workloads.trace import Trace, TraceRequest
 
 @dataclass(frozen=True, slots=True)
 class Burst:
-    """Long documents arriving at ``rate`` per second, lengths lognormal (shape 0.25) around the means."""
+    """Long documents arriving at ``rate`` per second between ``start_s`` and ``end_s`` of the trace's
+    clock (None: its end), lengths lognormal (shape 0.25) around the means."""
 
     rate: float
     prompt_tokens: int = 16384
     output_tokens: int = 256
     seed: int = 0
+    start_s: float = 0.0
+    end_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -40,14 +44,23 @@ class Burst:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
             raise ValueError(f"burst lengths must be >= 1 token, got prompt {self.prompt_tokens!r}, "
                              f"output {self.output_tokens!r}")
+        if self.start_s < 0 or (self.end_s is not None and self.end_s <= self.start_s):
+            raise ValueError(f"burst window must have 0 <= start < end, got {self.start_s!r}..{self.end_s!r}")
+
+    def window(self, trace: Trace) -> tuple[float, float]:
+        end = trace.duration_s if self.end_s is None else min(self.end_s, trace.duration_s)
+        if end <= self.start_s:
+            raise ValueError(f"burst window {self.start_s:g}..{end:g} s is outside the trace "
+                             f"(0..{trace.duration_s:.1f} s)")
+        return self.start_s, end
 
 
 def with_burst(trace: Trace, burst: Burst) -> Trace:
-    """``trace`` with the burst's documents added over its whole span (ids after the trace's)."""
+    """``trace`` with the burst's documents added in its window (ids after the trace's)."""
     rng = np.random.default_rng(burst.seed)
-    span = trace.duration_s
-    count = max(1, int(rng.poisson(burst.rate * span)))
-    arrivals = np.sort(rng.uniform(0.0, span, count))
+    start, end = burst.window(trace)
+    count = max(1, int(rng.poisson(burst.rate * (end - start))))
+    arrivals = np.sort(rng.uniform(start, end, count))
 
     def lengths(mean: int) -> np.ndarray:
         return np.maximum(1, np.round(rng.lognormal(np.log(mean) - 0.25**2 / 2, 0.25, count))).astype(int)
@@ -58,6 +71,16 @@ def with_burst(trace: Trace, burst: Burst) -> Trace:
             for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs, strict=True))]
     merged = sorted([*trace.requests, *docs], key=lambda r: r.arrival_s)
     return replace(trace, name=f"{trace.name}+burst", requests=tuple(merged))
+
+
+def _window(trace: Trace, start: float, end: float) -> Trace:
+    """The requests arriving in [start, end], their clock starting at the first."""
+    inside = [r for r in trace.requests if start <= r.arrival_s <= end]
+    if len(inside) < 2:
+        raise ValueError(f"the burst window {start:g}..{end:g} s holds {len(inside)} request(s); widen it")
+    t0 = inside[0].arrival_s
+    return replace(trace, name=f"{trace.name}[{start:g}..{end:g}s]",
+                   requests=tuple(replace(r, arrival_s=r.arrival_s - t0) for r in inside))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +108,12 @@ class BurstPlan:
 
     def lines(self) -> list[str]:
         b = self.burst
-        out = [f"burst   {self.documents} long documents added ({b.rate:g}/s, ~{b.prompt_tokens} prompt and "
-               f"~{b.output_tokens} output tokens each)"]
+        whole = b.start_s == 0 and b.end_s is None
+        where = "over the whole trace" if whole else \
+            f"from {b.start_s:g} s to {'the end' if b.end_s is None else f'{b.end_s:g} s'}"
+        sized = "" if whole else "; the burst fleets are sized on that window's traffic"
+        out = [f"burst   {self.documents} long documents added {where} ({b.rate:g}/s, ~{b.prompt_tokens} prompt "
+               f"and ~{b.output_tokens} output tokens each){sized}"]
         for arch, f in self.fleets.items():
             if f.steady is None:
                 out.append(f"  {arch.value:14s} no steady fleet within the search")
@@ -104,8 +131,9 @@ class BurstPlan:
         def dep(d: Deployment | None) -> dict | None:
             return None if d is None else {"label": d.label, "gpus": d.gpus, "tp": d.tp, "workers": d.workers,
                                            "prefill_workers": d.prefill_workers, "decode_workers": d.decode_workers}
-        return {"burst": {"rate_rps": self.burst.rate, "prompt_tokens": self.burst.prompt_tokens,
-                          "output_tokens": self.burst.output_tokens, "documents": self.documents},
+        b = self.burst
+        return {"burst": {"rate_rps": b.rate, "prompt_tokens": b.prompt_tokens, "output_tokens": b.output_tokens,
+                          "documents": self.documents, "start_s": b.start_s, "end_s": b.end_s},
                 "fleets": {a.value: {"steady": dep(f.steady), "burst": dep(f.burst), "added_gpus": f.added_gpus,
                                      "burst_attainment": f.burst_attainment} for a, f in self.fleets.items()},
                 "notes": list(self.notes)}
@@ -147,7 +175,9 @@ def plan_burst(config: PlanConfig, trace: Trace, burst: Burst, max_gpus: int = 6
         found = {arch: steady_search.plan_arch(arch, rate).best for arch in Arch}
         steady = {arch: probe.deployment if probe else None for arch, probe in found.items()}
     bursty = with_burst(trace, burst)
-    burst_search = FleetSearch(config, Prober(config, bursty), max_gpus)
+    # the burst fleet is sized on the traffic of the window alone: over the whole trace the documents'
+    # misses would be diluted by the steady hours around them
+    burst_search = FleetSearch(config, Prober(config, _window(bursty, *burst.window(trace))), max_gpus)
     fleets, notes = {}, []
     for arch in Arch:
         dep = steady.get(arch)

@@ -3,7 +3,7 @@
     kvstore plan --model llama-3-8b --gpus 2 --link 10gbe --trace FILE [--gpu h100|h200]
                  [--slo-ttft S --slo-tpot S] [--json PATH]
     kvstore plan --search --model llama-3-8b --link rdma-100g --trace FILE [--rate R] [--max-gpus N]
-                 [--json PATH] [--plot PATH.png] [--router-config PATH]
+                 [--json PATH] [--plot PATH.png] [--router-config PATH] [--burst RATE [--burst-window A:B]]
     kvstore plan --calibrate DIR [DIR ...] [--save FILE]
     kvstore plan --list-presets
 
@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also plan for a burst of long documents at RATE/s added to the traffic")
     srch.add_argument("--burst-prompt", type=int, default=16384, help="burst documents' prompt tokens (mean)")
     srch.add_argument("--burst-output", type=int, default=256, help="burst documents' output tokens (mean)")
+    srch.add_argument("--burst-window", metavar="START:END", help="seconds of the trace the burst lasts "
+                      "(default: all of it; END may be empty)")
     srch.add_argument("--router-config", metavar="PATH",
                       help="write the disaggregated plan as a kvstore router configuration (JSON)")
 
@@ -182,6 +184,9 @@ def run_plan(args) -> str:
         split = ev.results[Arch.DISAGGREGATED].deployment.prefill_workers
         crossovers = [bandwidth_crossover(planner, split), prompt_crossover(planner, split)]
     text = render(planner, ev, verdict, crossovers)
+    if verdict.winner is None:
+        text += (f"\n\nhint: nothing meets the SLO with {config.gpus} GPU(s); `kvstore plan --search` (same options) "
+                 f"finds how many GPUs, in what split, each architecture needs")
     too_long = sum(r.prompt_tokens + r.output_tokens > config.model.max_context for r in trace.requests)
     if too_long and config.cost is None:
         text += (f"\n\nnote: {too_long} request(s) exceed {config.model.name}'s {config.model.max_context}-token "
@@ -215,8 +220,10 @@ def run_search(args) -> str:
     doc = searchreport.to_json(result, config.slo, link, thresholds)
     if args.burst is not None:
         steady = {a: p.best.deployment if p.best else None for a, p in result.plans.items()}
+        start, end = _window_arg(args.burst_window)
         burst = plan_burst(config, trace.scaled(time=result.trace_rate / result.rate),
-                           Burst(args.burst, args.burst_prompt, args.burst_output, args.seed), args.max_gpus, steady)
+                           Burst(args.burst, args.burst_prompt, args.burst_output, args.seed, start, end),
+                           args.max_gpus, steady)
         extra += burst.lines()
         doc["burst"] = burst.to_dict()
     if args.json:
@@ -229,6 +236,16 @@ def run_search(args) -> str:
     head = [f"trace   {trace.describe()}",
             f"model   {config.model.name} on {config.gpu.name}; link {config.link.name}"]
     return "\n".join(head) + "\n" + searchreport.render(result, config.slo, link, extra)
+
+
+def _window_arg(text: str | None) -> tuple[float, float | None]:
+    if not text:
+        return 0.0, None
+    start, sep, end = text.partition(":")
+    try:
+        return float(start or 0), (float(end) if end else None)
+    except ValueError:
+        raise ValueError(f"--burst-window takes START:END in seconds, got {text!r}") from None
 
 
 # -- calibrate ------------------------------------------------------------------------------------------------

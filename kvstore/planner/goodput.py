@@ -92,13 +92,14 @@ class WorkBounds:
         return min(workers - 1, max(1, round(workers * share)))
 
 
-def work_bounds(trace: Trace, cost: CostModel, max_batch: int) -> WorkBounds:
-    """Compute seconds of every prompt, and memory seconds of every output token at the largest batch a
-    worker can hold (weights read once per step, each sequence's context read every step)."""
-    prompt_s = sum(cost.token_s * r.prompt_tokens + cost.pair_s * prefill_pairs(r.prompt_tokens)
-                   for r in trace.requests)
-    mean_tokens = sum(r.prompt_tokens + r.output_tokens for r in trace.requests) / len(trace)
-    batch = max(1, min(max_batch, int(cost.kv_capacity_tokens // max(1.0, mean_tokens))))
+def work_bounds(trace: Trace, cost: CostModel, max_batch: int, prefix_cache: bool = False) -> WorkBounds:
+    """Compute seconds of every prompt (none with a prefix cache, which may skip any of it), and memory
+    seconds of every output token at the largest batch a worker could hold (weights read once per step,
+    each sequence's context read every step)."""
+    prompt_s = 0.0 if prefix_cache else sum(
+        cost.token_s * r.prompt_tokens + cost.pair_s * prefill_pairs(r.prompt_tokens) for r in trace.requests)
+    smallest = min(r.prompt_tokens + r.output_tokens for r in trace.requests)
+    batch = max(1, min(max_batch, cost.kv_capacity_tokens // smallest))
     decode_s = sum((r.output_tokens - 1) * (cost.weight_s / batch
                                             + cost.ctx_s * (r.prompt_tokens + r.output_tokens / 2))
                    for r in trace.requests)

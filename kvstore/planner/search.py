@@ -120,7 +120,8 @@ class FleetSearch:
         return [Variant(arch, tp, c) for tp in self.tps() for c in chunks]
 
     def _bounds(self, tp: int, rate: float) -> goodput.WorkBounds:
-        return goodput.work_bounds(self.prober.trace_at(rate), self.prober.cost(tp), self.config.max_batch)
+        return goodput.work_bounds(self.prober.trace_at(rate), self.prober.cost(tp), self.config.max_batch,
+                                   prefix_cache=self.config.prefix_cache_tokens > 0)
 
     # -- one size ---------------------------------------------------------------------------------------------
     def meets_at(self, v: Variant, workers: int, rate: float) -> Probe | None:

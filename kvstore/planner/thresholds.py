@@ -70,10 +70,25 @@ class HandoffThresholds:
         return self.recompute_s(prompt_tokens, cached_tokens) <= self.handoff_s(prompt_tokens)
 
     def to_dict(self) -> dict:
+        """JSON-ready; :meth:`from_dict` rebuilds it (a router reading ``--router-config`` gets the exact rule)."""
         return {"min_prefill_tokens": self.min_prefill_tokens, "skip_hit_fraction": self.skip_hit_fraction,
                 "reference_prompt_tokens": self.reference_prompt_tokens, "decode_batch": self.decode_batch,
                 "decode_context": self.decode_context, "cost_model": self.cost.name,
-                "link": self.transfer.name, "max_prompt_tokens": self.max_prompt_tokens}
+                "link": self.transfer.name, "max_prompt_tokens": self.max_prompt_tokens,
+                "cost": self.cost.to_dict(), "transfer": self.transfer.to_dict()}
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> HandoffThresholds:
+        """The thresholds :meth:`to_dict` wrote (e.g. ``json.load(f)["thresholds"]`` of a router config).
+        Raises ValueError if a field is missing or invalid."""
+        try:
+            return cls(min_prefill_tokens=doc["min_prefill_tokens"], skip_hit_fraction=float(doc["skip_hit_fraction"]),
+                       reference_prompt_tokens=int(doc["reference_prompt_tokens"]),
+                       cost=CostModel.from_dict(doc["cost"]), transfer=TransferModel(**doc["transfer"]),
+                       decode_batch=int(doc["decode_batch"]), decode_context=int(doc["decode_context"]),
+                       max_prompt_tokens=int(doc["max_prompt_tokens"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a handoff-thresholds document: {exc!r}") from None
 
 
 def _check_counts(prompt_tokens: int, cached_tokens: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from paths import TRACES
 
 from kvstore.planner import presets
 from kvstore.planner.burst import Burst, plan_burst, with_burst
@@ -19,7 +20,7 @@ from kvstore.planner.probe import Prober, allowed_misses, trace_rate
 from kvstore.planner.search import FleetSearch, search
 from kvstore.planner.searchreport import router_config
 from kvstore.planner.thresholds import handoff_thresholds
-from kvstore.workloads.trace import Trace, TraceRequest, get_workload, poisson
+from kvstore.workloads.trace import Trace, TraceRequest, get_workload, load_trace, poisson
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -202,12 +203,23 @@ def test_with_burst_adds_long_documents_over_the_span(short_trace):
     assert 12000 < sum(r.prompt_tokens for r in docs) / len(docs) < 20000
     with pytest.raises(ValueError):
         Burst(rate=0.0)
+    with pytest.raises(ValueError):
+        Burst(rate=1.0, start_s=5.0, end_s=5.0)
+
+
+def test_a_burst_window_changes_the_long_prompt_share_over_time(short_trace):
+    bursty = with_burst(short_trace, Burst(rate=20.0, start_s=3.0, end_s=6.0, seed=2))
+    docs = [r for r in bursty.requests if r.id >= len(short_trace)]
+    assert docs and all(3.0 <= r.arrival_s <= 6.0 for r in docs)
+    with pytest.raises(ValueError, match="outside the trace"):
+        with_burst(short_trace, Burst(rate=1.0, start_s=1e6))
 
 
 def test_burst_grows_the_prefill_pool_while_decode_stays():
     trace = poisson(get_workload("short"), 100.0, 1500, seed=4)
     config = _config(SLO(ttft_s=2.0, tpot_s=0.025))
-    plan = plan_burst(config, trace, Burst(rate=4.0, prompt_tokens=16384, output_tokens=256), max_gpus=16)
+    plan = plan_burst(config, trace, Burst(rate=4.0, prompt_tokens=16384, output_tokens=256, start_s=5.0,
+                                           end_s=12.0), max_gpus=16)
     d = plan.fleets[Arch.DISAGGREGATED]
     assert d.steady is not None and d.burst is not None
     assert d.burst.decode_workers == d.steady.decode_workers  # the documents need prompt work, not decoding
@@ -217,3 +229,15 @@ def test_burst_grows_the_prefill_pool_while_decode_stays():
         assert f.burst is not None and f.burst.workers > f.steady.workers  # the whole fleet grows
     assert "decode pool unchanged" in "\n".join(plan.lines())
     assert plan.to_dict()["fleets"]["disaggregated"]["added_gpus"] == d.burst.gpus - d.steady.gpus
+
+
+def test_worked_example_claim_tp1_cannot_serve_the_mooncake_tail():
+    # docs/planner.md: on one H100 a lone prefill misses the 2 s TTFT for 11 % of the Mooncake prompts
+    path = TRACES / "mooncake_synthetic_trace.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} not present")
+    trace = load_trace(path)
+    model, gpu = presets.get_model("llama-3-8b"), presets.get_gpu("h100")
+    one, two = (presets.cost_model_for(model, gpu, tp) for tp in (1, 2))
+    assert ceiling(trace, one, SLO()) == pytest.approx(0.89, abs=0.005)
+    assert ceiling(trace, two, SLO()) > 0.95

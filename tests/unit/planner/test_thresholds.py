@@ -3,10 +3,12 @@ is known by construction, and their sense on the presets."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvstore.planner.costmodel import CostModel, TransferModel
-from kvstore.planner.thresholds import handoff_thresholds
+from kvstore.planner.thresholds import HandoffThresholds, handoff_thresholds
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,3 +82,12 @@ def test_bad_counts_raise_value_error():
         t.skip_prefill(10, 11)
     with pytest.raises(ValueError):
         t.skip_prefill(-1)
+
+
+def test_thresholds_round_trip_through_json():
+    t = handoff_thresholds("llama-3-8b", "rdma-100g", "h100")
+    back = HandoffThresholds.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back == t
+    assert back.skip_prefill(100) and not back.skip_prefill(4096)
+    with pytest.raises(ValueError):
+        HandoffThresholds.from_dict({"min_prefill_tokens": 3})
