@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from conftest import Fleet, child_env, finish
+from host_fleet import Fleet, child_env, finish
 
 from kvstore.testing import hosts as H
 

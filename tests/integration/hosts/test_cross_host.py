@@ -11,12 +11,17 @@ import signal
 import time
 
 import pytest
-from conftest import finish
+from host_fleet import finish, two_hosts
 
 MiB = 1 << 20
 SLOW_GBIT = 0.1
 TIMEOUT = 3.0
 HANG = TIMEOUT * 3 + 5  # "did not hang": the error arrived in a bounded time
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    yield from two_hosts()
 
 
 @pytest.fixture
