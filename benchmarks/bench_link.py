@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the fetcher's wire compression modes to compare, comma-separated")
     parser.add_argument("--codec-only", action="store_true", help="measure the compressor only (no namespaces)")
     parser.add_argument("--no-codec", action="store_true", help="skip the compressor measurement")
+    parser.add_argument("--codec-mib", type=int, default=32, help="MiB of each kind of data the compressor gets")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.n < 1:
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {describe(machine())}", flush=True)
     result: dict = {"machine": machine()}
     if not args.no_codec:
-        result["codec"] = codec_rows()
+        result["codec"] = codec_rows(args.codec_mib << 20)
         result["needed_ratio"] = print_codec(result["codec"], [float(r) for r in args.rates.split(",")])
     if not args.codec_only:
         reason = H.unavailable_reason()

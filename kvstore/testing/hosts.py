@@ -64,7 +64,7 @@ def unavailable_reason() -> str | None:
     if missing:
         return f"missing tools: {', '.join(missing)} (iproute2, util-linux)"
     try:
-        with Hosts(("p", "q"), rate_gbit=1, owner="probe"):
+        with Hosts(("prb1", "prb2"), rate_gbit=1):  # under this process id: concurrent probes never collide
             pass
     except (HostSetupError, OSError, subprocess.SubprocessError) as exc:
         return f"cannot create shaped network namespaces here: {exc}"

@@ -1,4 +1,6 @@
-"""Two namespace hosts joined by a shaped link, with a ``kvstore serve`` daemon on host a (one per module).
+"""Two namespace hosts joined by a shaped link, with a ``kvstore serve`` daemon on host a (one per module): the
+``fleet`` fixture of tests/integration/hosts (``two_hosts``; here, not in a conftest.py of that folder, which
+would shadow the suite's own ``conftest`` module).
 
 Clients run on either host as ``tests/helpers/host_client.py`` subprocesses; each host has its own copy of one
 token in its private /tmp. Host a's daemon listens on its Unix socket (clients on a) and on its end of the link
@@ -106,8 +108,8 @@ def finish(proc: subprocess.Popen, timeout: float = 60.0) -> list[dict]:
     return [json.loads(x) for x in out.splitlines() if x.startswith("{")]
 
 
-@pytest.fixture(scope="module")
-def fleet():
+def two_hosts():
+    """The generator behind a module's ``fleet`` fixture: hosts a and b at 1 Gbit/s, a daemon on a."""
     reason = H.unavailable_reason()
     if reason is not None:
         pytest.skip(reason)

@@ -1,7 +1,8 @@
 """Cluster mode across two namespace hosts: Redis and a daemon on host a, a daemon on host b, node to node over
 the shaped link. Clients talk to their own host's daemon (Unix socket, shared memory); a key put on one host
-is read on the other through a ``peer_get`` across the link. A peer daemon killed while its bytes cross gives
-the reader a typed error within a bound of its timeout, and the reading daemon keeps nothing of it.
+is read on the other through a ``peer_get`` across the link. Redis restarted empty: remote reads miss with a
+typed error meanwhile, and find the key again once the daemons have republished. A peer daemon killed while its
+bytes cross gives the reader a typed error within a bound of its timeout, and the reading daemon keeps nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import time
 
 import pytest
-from conftest import Fleet, child_env, finish
+from host_fleet import Fleet, child_env, finish
 
 from kvstore.testing import hosts as H
 
@@ -104,6 +105,26 @@ def test_a_key_put_on_one_host_is_read_on_the_other(cluster):
 def test_handoff_prefill_on_a_decode_on_b_through_their_own_daemons(cluster):
     assert cluster.client(cluster.a, cluster.unix_url, "publish", "cr1", 24, 4) == [{"published": "cr1"}]
     assert cluster.client(cluster.b, cluster.unix_url, "fetch", "cr1", 24, 4) == [{"equal": True}]
+
+
+def test_redis_restarted_empty_across_hosts(cluster):
+    """Remote reads miss (a typed error, bounded) while Redis is gone; once it is back, empty, the daemons
+    republish what they hold and b finds a's key again."""
+    a, b, url = cluster.a, cluster.b, cluster.unix_url
+    assert cluster.client(a, url, "put", "r/k", 2 * MiB, 14)[-1] == {"ok": True}
+    cluster.redis.kill()
+    cluster.redis.wait(10)
+    missed = cluster.client(b, url, "get", "r/k", 2 * MiB, 14, timeout=TIMEOUT)[-1]
+    assert missed.get("error") in ("KeyNotFoundError", "StoreTimeoutError", "StoreConnectionError"), missed
+    assert missed["seconds"] < HANG
+    cluster.start_redis()
+    deadline = time.monotonic() + 30
+    while True:
+        got = cluster.client(b, url, "get", "r/k", 2 * MiB, 14, timeout=TIMEOUT)[-1]
+        if got.get("ok") or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert got == {"ok": True, "equal": True}, got
 
 
 def test_owner_killed_while_its_bytes_cross_the_link(cluster):

@@ -10,16 +10,18 @@ from __future__ import annotations
 import signal
 import time
 
-import host_fleet
 import pytest
-from host_fleet import finish
-
-fleet = host_fleet.fleet  # the fixture lives in a helper module (a second conftest.py shadowed the suite's)
+from host_fleet import finish, two_hosts
 
 MiB = 1 << 20
 SLOW_GBIT = 0.1
 TIMEOUT = 3.0
 HANG = TIMEOUT * 3 + 5  # "did not hang": the error arrived in a bounded time
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    yield from two_hosts()
 
 
 @pytest.fixture
