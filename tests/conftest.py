@@ -12,6 +12,7 @@ empty store of a given size (eviction, capacity) use ``fresh_store``.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import select
@@ -184,7 +185,9 @@ def daemon_factory() -> Iterator[Callable[..., Daemon]]:
     assert not failures, "\n".join(failures)
 
 
-def _ucx_missing() -> str | None:
+@functools.cache
+def ucx_missing() -> str | None:
+    """Why the ucx transport cannot load here (None: it can); asked on first use (it imports ucxx)."""
     from kvstore import transports
     from kvstore.transports.ucx import load
 
@@ -195,13 +198,9 @@ def _ucx_missing() -> str | None:
     return None
 
 
-UCX_MISSING = _ucx_missing()
-needs_ucx = pytest.mark.skipif(UCX_MISSING is not None, reason=f"ucx transport unavailable: {UCX_MISSING}")
-
-
 def _module_ucx_daemon(workdir: str, capacity: str) -> Iterator[Daemon]:
-    if UCX_MISSING is not None:
-        pytest.skip(f"ucx transport unavailable: {UCX_MISSING}")
+    if ucx_missing() is not None:
+        pytest.skip(f"ucx transport unavailable: {ucx_missing()}")
     d = Daemon(workdir, capacity=capacity, args=UCX_ARGS).start()
     yield d
     assert d.running(), f"the module daemon died during the tests:\n{d.log()}"
@@ -325,8 +324,8 @@ def fresh_store(request, store_kind, daemon_factory) -> Iterator[Callable[..., k
             clusters.append(_cluster_procs().Cluster(workdir, names="A", capacity=capacity, args=watermarks))
             s = clusters[-1].client("A")
         elif store_kind == "daemon-ucx":
-            if UCX_MISSING is not None:
-                pytest.skip(f"ucx transport unavailable: {UCX_MISSING}")
+            if ucx_missing() is not None:
+                pytest.skip(f"ucx transport unavailable: {ucx_missing()}")
             s = daemon_factory(capacity=capacity, args=(*UCX_ARGS, *watermarks)).connect("ucx")
         else:
             s = daemon_factory(capacity=capacity, args=watermarks).connect(

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import UCX_ARGS, MiB, needs_ucx, no_hang, wait_until
+from conftest import UCX_ARGS, MiB, no_hang, ucx_missing, wait_until
 from paths import ROOT
 
 import kvstore
@@ -25,6 +25,10 @@ from kvstore import InvalidArgumentError, KeyNotFoundError, TransportError, tran
 from kvstore.daemon.server import Server, ServerConfig
 
 pytestmark = pytest.mark.timeout(120)
+
+
+UCX_MISSING = ucx_missing()
+needs_ucx = pytest.mark.skipif(UCX_MISSING is not None, reason=f"ucx transport unavailable: {UCX_MISSING}")
 
 
 def pattern(size: int, seed: int = 0) -> np.ndarray:

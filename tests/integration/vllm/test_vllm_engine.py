@@ -1,7 +1,8 @@
 """The connector inside a real vLLM (CPU, the tiny random Llama): prefix sharing across processes, a
 prefill/decode hand-off through one ``kvstore serve`` daemon, and faults (daemon killed, a corrupt block,
 a consumer whose layout differs, no daemon at start). Every engine is its own process; tokens are greedy,
-so "identical tokens" compares against the same prompts run with no connector."""
+so "identical tokens" compares against the same prompts run with no connector. Runs that do not depend on
+each other start together (the module fixtures below), two at a time."""
 
 from __future__ import annotations
 
@@ -16,7 +17,17 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from conftest import Daemon, short_tmpdir  # noqa: E402
-from vllm_runner import BLOCK, EngineRunner, Run, claimable_tokens, flip_bytes, load_run, make_prompts, segment_address  # noqa: E402
+from vllm_runner import (  # noqa: E402
+    BLOCK,
+    EngineRunner,
+    Run,
+    claimable_tokens,
+    flip_bytes,
+    load_run,
+    make_prompts,
+    results,
+    segment_address,
+)
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -49,18 +60,55 @@ def engine(workdir, prompts) -> EngineRunner:
 
 
 @pytest.fixture(scope="module")
-def baseline(engine) -> Run:
-    """The prompts with no connector: what every connector run must reproduce token for token."""
-    return engine.run()
+def first_runs(engine, workdir):
+    """Started together: the prompts with no connector (the baseline), and a first kv_both engine
+    (PYTHONHASHSEED=1) saving into a daemon."""
+    d = Daemon(workdir, capacity="256MiB").start()
+    try:
+        base, run1 = results(engine.start(), engine.start(url=d.unix_url, hash_seed=1))
+        yield base, d, run1
+    finally:
+        d.stop()
 
 
 @pytest.fixture(scope="module")
-def saved(engine, workdir):
+def baseline(first_runs) -> Run:
+    """The prompts with no connector: what every connector run must reproduce token for token."""
+    return first_runs[0]
+
+
+@pytest.fixture(scope="module")
+def saved(first_runs):
     """A daemon holding the blocks that a first kv_both engine (PYTHONHASHSEED=1) saved."""
-    d = Daemon(workdir, capacity="256MiB").start()
-    run1 = engine.run(url=d.unix_url, hash_seed=1)
-    yield d, run1
-    d.stop()
+    return first_runs[1:]
+
+
+OTHER_LAYOUTS = {"dtype": ("--dtype", "float32"), "block_size": ("--block-size", "64")}
+
+
+@pytest.fixture(scope="module")
+def other_layout_runs(saved, engine) -> dict[str, Run]:
+    """Consumers whose layout differs from the saved blocks', started together (they only look up)."""
+    d, _ = saved
+    runs = results(*(engine.start(url=d.unix_url, role="kv_consumer", args=args) for args in OTHER_LAYOUTS.values()))
+    return dict(zip(OTHER_LAYOUTS, runs, strict=True))
+
+
+@pytest.fixture(scope="module")
+def no_daemon_runs(engine, workdir):
+    """Started together, with no daemon at the URL: the default (a clear error) and degraded mode."""
+    url = f"unix://{workdir}/nobody-here.sock"
+    cmd, _ = engine.command(url=url)
+    strict = subprocess.Popen(cmd, env=engine.env(0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+    degraded = engine.start(url=url, extra={"require_store_at_start": False})
+    try:
+        _, err = strict.communicate(timeout=300)
+    finally:
+        if strict.poll() is None:
+            strict.kill()
+            strict.wait()
+    return (strict.returncode, err), degraded.result()
 
 
 def block_keys(d: Daemon) -> list[str]:
@@ -91,10 +139,9 @@ def test_layout_is_published_next_to_the_blocks(saved):
     assert meta["backend"] == "CPU_ATTN" and meta["dtype"] == "bfloat16" and meta["block_size"] == BLOCK
 
 
-@pytest.mark.parametrize("args", [("--dtype", "float32"), ("--block-size", "64")], ids=["dtype", "block_size"])
-def test_consumer_with_another_layout_gets_no_false_hits(saved, engine, args):
-    d, _ = saved
-    run = engine.run(url=d.unix_url, role="kv_consumer", args=args)
+@pytest.mark.parametrize("changed", list(OTHER_LAYOUTS))
+def test_consumer_with_another_layout_gets_no_false_hits(other_layout_runs, changed):
+    run = other_layout_runs[changed]
     assert run.counters["lookups"] > 0
     assert run.counters["hit_tokens"] == 0 and run.counters["loaded_blocks"] == 0
     assert "which differs from this instance's layout" in run.stderr  # loud at start, not a silent miss
@@ -170,16 +217,14 @@ def test_daemon_killed_mid_run_every_request_completes(engine, workdir, baseline
     assert 1 <= err.count("is unavailable") <= 3  # one warning per connection of the connector, not per call
 
 
-def test_no_daemon_at_start_is_a_clear_error(engine, workdir):
-    url = f"unix://{workdir}/nobody-here.sock"
-    cmd, _ = engine.command(url=url)
-    proc = subprocess.run(cmd, env=engine.env(0), capture_output=True, text=True, timeout=900)
-    assert proc.returncode != 0
-    assert "no kvstore daemon answers at" in proc.stderr and "kvstore serve --listen" in proc.stderr
+def test_no_daemon_at_start_is_a_clear_error(no_daemon_runs):
+    returncode, stderr = no_daemon_runs[0]
+    assert returncode != 0
+    assert "no kvstore daemon answers at" in stderr and "kvstore serve --listen" in stderr
 
 
-def test_no_daemon_at_start_degraded_mode_serves(engine, workdir, baseline):
-    run = engine.run(url=f"unix://{workdir}/nobody-here.sock", extra={"require_store_at_start": False})
+def test_no_daemon_at_start_degraded_mode_serves(no_daemon_runs, baseline):
+    run = no_daemon_runs[1]
     assert run.tokens == baseline.tokens
     assert run.counters["loaded_blocks"] == 0 and run.counters["dropped_saves"] > 0
     assert run.counters["lookup_errors"] > 0

@@ -54,7 +54,42 @@ def claimable_tokens(prompt: list[int], block: int = BLOCK) -> int:
     return (len(prompt) - 1) // block * block
 
 
+class Pending:
+    """An engine run started in the background (:meth:`EngineRunner.start`); :meth:`result` waits for it."""
+
+    def __init__(self, proc: subprocess.Popen, out: str, err_path: str, timeout: float):
+        self.proc, self.out, self.err_path, self.timeout = proc, out, err_path, timeout
+
+    def result(self) -> Run:
+        try:
+            self.proc.wait(self.timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        with open(self.err_path, errors="replace") as f:
+            err = f.read()
+        assert self.proc.returncode == 0, f"engine run failed ({self.proc.returncode}):\n{err[-6000:]}"
+        run = load_run(self.out)
+        run.stderr = err  # stdout and stderr, interleaved
+        return run
+
+
+def results(*pending: Pending) -> list[Run]:
+    """Every run's result, in order; when one fails, the others are stopped before the failure propagates."""
+    try:
+        return [p.result() for p in pending]
+    finally:
+        for p in pending:
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+
+
 class EngineRunner:
+    """Runs ``vllm_child.py`` engines over the test prompts. Each run is its own process (the connector is
+    part of an engine's configuration); independent runs may be started together (:meth:`start`): an engine
+    start is mostly one busy core, so two at once use a 2-core machine twice as well."""
+
     def __init__(self, workdir: str, model: str, prompts: list[list[int]]):
         self.workdir, self.model, self.prompts = workdir, model, prompts
         self.count = 0
@@ -82,13 +117,16 @@ class EngineRunner:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
 
-    def run(self, *, hash_seed: int = 0, timeout: float = 900, **kw) -> Run:
+    def start(self, *, hash_seed: int = 0, timeout: float = 900, **kw) -> Pending:
+        """Start a run in the background (its output goes to files: vLLM logs a lot, and a full pipe blocks)."""
         cmd, out = self.command(**kw)
-        proc = subprocess.run(cmd, env=self.env(hash_seed), capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
-        run = load_run(out)
-        run.stderr = proc.stderr + proc.stdout
-        return run
+        err_path = out + ".log"
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(cmd, env=self.env(hash_seed), stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+        return Pending(proc, out, err_path, timeout)
+
+    def run(self, *, hash_seed: int = 0, timeout: float = 900, **kw) -> Run:
+        return self.start(hash_seed=hash_seed, timeout=timeout, **kw).result()
 
 
 def load_run(path: str) -> Run:
