@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 #: the rates the tests and benchmarks shape links to, in Gbit/s
 RATES_GBIT = (1, 10, 25)
@@ -41,7 +42,7 @@ _SUBNET = "10.213"
 _TOOLS = ("ip", "tc", "nsenter", "unshare")
 
 
-def _sh(*argv: str, timeout: float = 20.0, check: bool = True) -> subprocess.CompletedProcess:
+def _sh(*argv: str, timeout: float = 20.0, check: bool = True) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if check and done.returncode != 0:
         raise HostSetupError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
@@ -77,8 +78,8 @@ class Host:
 
     name: str
     netns: str
-    keeper: subprocess.Popen | None = None
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    keeper: subprocess.Popen[Any] | None = None
+    procs: list[subprocess.Popen[Any]] = field(default_factory=list)
 
     def enter(self, argv: Sequence[str], cwd: str | None = None) -> list[str]:
         """``argv`` wrapped so that it runs in this host's namespaces (cwd: the caller's unless given)."""
@@ -87,14 +88,14 @@ class Host:
         return ["nsenter", "-t", str(self.keeper.pid), "-n", "-m", "-u", f"--wd={cwd or os.getcwd()}", "--",
                 *map(str, argv)]
 
-    def popen(self, argv: Sequence[str], cwd: str | None = None, **kwargs) -> subprocess.Popen:
+    def popen(self, argv: Sequence[str], cwd: str | None = None, **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` in this host (``subprocess.Popen`` keywords pass through); it is killed at close."""
         proc = subprocess.Popen(self.enter(argv, cwd), **kwargs)
         self.procs.append(proc)
         return proc
 
     def run(self, argv: Sequence[str], timeout: float = 60.0, check: bool = True,
-            **kwargs) -> subprocess.CompletedProcess:
+            **kwargs: Any) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` in this host to completion (stdout and stderr captured as text)."""
         done = subprocess.run(self.enter(argv), capture_output=True, text=True, timeout=timeout, **kwargs)
         if check and done.returncode != 0:
@@ -113,7 +114,7 @@ class Host:
         out = _sh("ip", "netns", "exec", self.netns, "ss", "-Hltn", f"sport = :{port}", check=False)
         return out.returncode == 0 and bool(out.stdout.strip())
 
-    def wait_listening(self, port: int, timeout: float, proc: subprocess.Popen | None = None) -> bool:
+    def wait_listening(self, port: int, timeout: float, proc: subprocess.Popen[Any] | None = None) -> bool:
         """Wait (bounded) until ``port`` listens here; False at the deadline or when ``proc`` exits first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -199,7 +200,7 @@ class Hosts:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _start(self) -> None:
@@ -214,7 +215,7 @@ class Hosts:
             link.shape(self._rate)
             self.links.append(link)
 
-    def _keeper(self, host: Host) -> subprocess.Popen:
+    def _keeper(self, host: Host) -> subprocess.Popen[Any]:
         # unshare execs (no fork), so the Popen's pid is the process that holds the new namespaces
         script = (f"mount -t tmpfs -o size={self._shm_size},mode=1777 shm /dev/shm && "
                   "mount -t tmpfs -o mode=1777 tmp /tmp && "
@@ -223,6 +224,7 @@ class Hosts:
                                    "--propagation", "private", "sh", "-c", script],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         host.keeper = keeper  # killed at close even if it never says ready
+        assert keeper.stdout is not None and keeper.stderr is not None  # both are PIPEs
         line = keeper.stdout.readline()  # bounded: the script ends (EOF) on any failure
         if line.strip() != "ready":
             keeper.wait(5)
@@ -259,7 +261,7 @@ class Hosts:
             raise HostSetupError(f"stopping the hosts' processes failed: {failures}")
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen[Any]) -> None:
     if proc.poll() is None:
         proc.kill()
     try:
@@ -328,6 +330,7 @@ def measure_link(link: Link, nbytes: int = 64 << 20, repeats: int = 3, *, port: 
     recv = dst.popen([sys.executable, "-m", "kvstore.testing.rawlink", "recv", "--bind", link.address(dst), *common],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        assert recv.stdout is not None and recv.stderr is not None  # both are PIPEs
         if recv.stdout.readline().strip() != "ready":
             raise HostSetupError(f"raw link receiver on {dst.name} failed: {recv.stderr.read().strip()}")
         out = src.run([sys.executable, "-m", "kvstore.testing.rawlink", "send", "--to", link.address(dst), *common],
