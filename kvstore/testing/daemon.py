@@ -278,14 +278,15 @@ class Daemon:
 
     # -- clients ---------------------------------------------------------------------------------------------
     def connect(self, transport: str = "shm", timeout: float = 10.0, *, token: str | None = None,
-                client_name: str = "") -> KVStore:
+                client_name: str = "", compression: str = "off") -> KVStore:
         """A client of this daemon (:func:`kvstore.connect`): ``transport="tcp"`` over its TCP address,
-        otherwise over its Unix socket (``"shm"``: shared memory); sends ``token``, by default the daemon's."""
+        otherwise over its Unix socket (``"shm"``: shared memory); sends ``token``, by default the daemon's.
+        ``compression``: the payload codec on the tcp path (off, lz4, lz4-shuffle, auto)."""
         from kvstore.api import connect
 
         url = self.tcp_url if transport == "tcp" else self.unix_url
         return connect(url, transport=transport, timeout=timeout, token=token if token is not None else self.token,
-                       client_name=client_name)
+                       client_name=client_name, compression=compression)
 
     # -- what it uses ----------------------------------------------------------------------------------------
     def cpu_seconds(self) -> float | None:

@@ -502,8 +502,8 @@ def test_wrong_token(token_daemon, token):
 
 @pytest.mark.parametrize("token", [None, "wrong"])
 def test_wrong_token_through_the_client(token_daemon, token):
-    with pytest.raises(kvstore.AuthenticationError) as info:
-        token_daemon.connect("tcp", token=token)
+    with pytest.raises(kvstore.AuthenticationError) as info:  # kvstore.connect: token None is no token at all
+        kvstore.connect(token_daemon.tcp_url, transport="tcp", token=token)
     assert isinstance(info.value, PermissionError) and "token" in str(info.value)
 
 

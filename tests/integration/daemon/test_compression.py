@@ -59,7 +59,7 @@ class RawClient:
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         self.rid = 0
         reply = self.call({"op": "hello", "client": "raw", "transport": "tcp", "host": host_id(), "pid": os.getpid(),
-                           **d.hello_auth()})
+                           **d.hello_auth(self.call)})
         assert reply["ok"], reply
 
     def send(self, message: dict, after: bytes = b"") -> None:
