@@ -56,12 +56,18 @@ def a_membership(cluster) -> tuple[str, int, int]:
     return cluster.record("a").get("epoch", ""), stats["lapses"], stats["resumes"]
 
 
+def why(cluster) -> str:
+    """Both nodes' cluster counters and logs, for a failure message."""
+    return "\n".join(f"---- n{h.name}: {cluster.node_stats(h)['cluster']}\n{cluster.log(h)}"
+                     for h in (cluster.a, cluster.b))
+
+
 def test_before_the_partition_each_side_reads_the_other(cluster):
     for reader, url in readers(cluster).items():
         for key in OBJECTS["b"]:
-            assert read(cluster, "a", url, key) == {"ok": True, "equal": True}, (reader, key)
+            assert read(cluster, "a", url, key) == {"ok": True, "equal": True}, (reader, key, why(cluster))
     for key in OBJECTS["a"]:
-        assert read(cluster, "b", cluster.unix_url, key) == {"ok": True, "equal": True}, key
+        assert read(cluster, "b", cluster.unix_url, key) == {"ok": True, "equal": True}, (key, why(cluster))
 
 
 def test_link_down_reads_end_typed_and_a_does_not_flap(cluster):
@@ -92,8 +98,7 @@ def test_link_down_reads_end_typed_and_a_does_not_flap(cluster):
     # on b, cut off from Redis and from na: nb still serves its own objects, a's are typed errors
     for key in OBJECTS["b"]:
         result = read(cluster, "b", cluster.unix_url, key)
-        assert result == {"ok": True, "equal": True}, (key, result, cluster.node_stats(cluster.b)["cluster"],
-                                                       cluster.log(cluster.b))
+        assert result == {"ok": True, "equal": True}, (key, result, why(cluster))
     result = read(cluster, "b", cluster.unix_url, "pa/0")
     assert result.get("error") in TYPED and result["seconds"] < HANG, result
 
