@@ -33,6 +33,8 @@ class ClusterFleet(Fleet):
 
     daemons: dict[str, subprocess.Popen]
     redis: subprocess.Popen
+    node_ttl: float = NODE_TTL
+    peer_timeout: float = PEER_TIMEOUT
 
     def redis_url(self) -> str:
         return f"redis://{self.link.address(self.a)}:{REDIS_PORT}/0"
@@ -48,7 +50,7 @@ class ClusterFleet(Fleet):
         cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", self.unix_url, "--listen", addr,
                "--token-file", "/tmp/token", "--capacity", "128MiB", "--log-level", "warning",
                "--cluster", self.redis_url(), "--node-id", f"n{host.name}", "--advertise", addr,
-               "--node-ttl", str(NODE_TTL), "--peer-timeout", str(PEER_TIMEOUT), "--redis-timeout",
+               "--node-ttl", str(self.node_ttl), "--peer-timeout", str(self.peer_timeout), "--redis-timeout",
                str(REDIS_TIMEOUT), "--transfer-timeout", "2"]
         with open(host.path("/tmp/daemon.log"), "ab") as log:
             self.daemons[host.name] = host.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env())
@@ -81,7 +83,7 @@ class ClusterFleet(Fleet):
 
 
 @contextlib.contextmanager
-def cluster_fleet() -> Iterator[ClusterFleet]:
+def cluster_fleet(node_ttl: float = NODE_TTL, peer_timeout: float = PEER_TIMEOUT) -> Iterator[ClusterFleet]:
     """Hosts a and b (1 Gbit/s link), one token on both, Redis and node ``na`` on a, node ``nb`` on b; all removed
     at exit. Skips (pytest) where namespaces cannot be made."""
     reason = H.unavailable_reason()
@@ -95,7 +97,7 @@ def cluster_fleet() -> Iterator[ClusterFleet]:
             os.write(fd, token.encode())
             os.close(fd)
         fleet = ClusterFleet(hosts, hosts.link("a", "b"))
-        fleet.daemons = {}
+        fleet.daemons, fleet.node_ttl, fleet.peer_timeout = {}, node_ttl, peer_timeout
         fleet.start_redis()
         fleet.start_node(fleet.a)
         fleet.start_node(fleet.b)
