@@ -7,21 +7,15 @@ bytes cross gives the reader a typed error within a bound of its timeout, and th
 
 from __future__ import annotations
 
-import os
-import secrets
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from host_fleet import Fleet, child_env, finish
-
-from kvstore.testing import hosts as H
+from host_cluster import cluster_fleet
+from host_fleet import finish
 
 MiB = 1 << 20
-REDIS_PORT = 6379
 TIMEOUT = 3.0
 HANG = TIMEOUT * 3 + 10
 
@@ -29,67 +23,10 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None or shutil.w
                                 reason="redis-server / redis-cli are not on PATH (apt-get install -y redis-server)")
 
 
-class ClusterFleet(Fleet):
-    """Redis on a's end of the link; one ``kvstore serve --cluster`` per host, advertising its end of the link."""
-
-    daemons: dict[str, subprocess.Popen]
-
-    def redis_url(self) -> str:
-        return f"redis://{self.link.address(self.a)}:{REDIS_PORT}/0"
-
-    def start_redis(self) -> None:
-        self.redis = self.a.popen(["redis-server", "--port", str(REDIS_PORT), "--bind", self.link.address(self.a),
-                                   "--save", "", "--appendonly", "no", "--dir", "/tmp", "--protected-mode", "no"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        assert self.a.wait_listening(REDIS_PORT, 30, self.redis), "redis-server did not start on host a"
-
-    def start_node(self, host: H.Host) -> None:
-        addr = f"tcp://{self.link.address(host)}:7070"
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--listen", self.unix_url, "--listen", addr,
-               "--token-file", "/tmp/token", "--capacity", "128MiB", "--log-level", "warning",
-               "--cluster", self.redis_url(), "--node-id", f"n{host.name}", "--advertise", addr,
-               "--node-ttl", "3", "--peer-timeout", "2", "--transfer-timeout", "2"]
-        with open(host.path("/tmp/daemon.log"), "ab") as log:
-            self.daemons[host.name] = host.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env())
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # registered in Redis: the cluster can find it
-            pid = host.run(["redis-cli", "-h", self.link.address(self.a), "-p", str(REDIS_PORT), "hget",
-                            f"kvstore:node:n{host.name}", "pid"], check=False).stdout.strip()
-            if pid == str(self.daemons[host.name].pid):
-                return
-            assert self.daemons[host.name].poll() is None, self.log(host)
-            time.sleep(0.2)
-        raise AssertionError(f"node n{host.name} did not register:\n{self.log(host)}")
-
-    def log(self, host: H.Host) -> str:
-        with open(host.path("/tmp/daemon.log"), errors="replace") as f:
-            return f.read()
-
-    def node_stats(self, host: H.Host) -> dict:
-        return self.client(host, self.unix_url, "stats")[0]
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    reason = H.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    with H.Hosts(("a", "b"), rate_gbit=1) as hosts:
-        token = secrets.token_hex(16)
-        for host in hosts.hosts.values():
-            fd = os.open(host.path("/tmp/token"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            os.write(fd, token.encode())
-            os.close(fd)
-        fleet = ClusterFleet(hosts, hosts.link("a", "b"))
-        fleet.daemons = {}
-        fleet.start_redis()
-        fleet.start_node(fleet.a)
-        fleet.start_node(fleet.b)
+    with cluster_fleet() as fleet:
         yield fleet
-        for name, proc in fleet.daemons.items():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                assert proc.wait(30) == 0, fleet.log(hosts[name])
 
 
 def test_a_key_put_on_one_host_is_read_on_the_other(cluster):
