@@ -37,6 +37,18 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-timeout", type=float, default=120.0, metavar="S",
                    help="longest silence of an instance within a hop (default %(default)s)")
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S", help="default %(default)s")
+    p.add_argument("--connect-timeout", type=float, default=5.0, metavar="S", help="default %(default)s")
+    p.add_argument("--eject-after", type=int, default=2, metavar="N",
+                   help="consecutive failures (hops or health checks) that eject an instance (default %(default)s)")
+    p.add_argument("--prefill-attempts", type=int, default=2, metavar="N",
+                   help="prefill instances tried for one request before it is served by decode alone "
+                        "(default %(default)s)")
+    p.add_argument("--background-max-wait", type=float, metavar="S",
+                   help="with --admission budget: longest a background request waits for slack before 429 "
+                        "(default 10 x --slo-ttft)")
+    p.add_argument("--max-queue", type=int, default=1024, metavar="N",
+                   help="requests waiting in one admission queue beyond which new ones get 429 at once "
+                        "(default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -51,7 +63,10 @@ def config_from(args: argparse.Namespace, prefill=None, decode=None, colocated=N
                         admission=AdmissionKind(args.admission),
                         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, skip_prefill_below=args.skip_prefill_below,
                         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
-                        idle_timeout_s=args.idle_timeout, health_interval_s=args.health_interval)
+                        idle_timeout_s=args.idle_timeout, health_interval_s=args.health_interval,
+                        connect_timeout_s=args.connect_timeout, eject_after=args.eject_after,
+                        prefill_attempts=args.prefill_attempts, background_max_wait_s=args.background_max_wait,
+                        max_queue=args.max_queue)
 
 
 def run(args: argparse.Namespace, config=None) -> int:

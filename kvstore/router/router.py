@@ -81,26 +81,32 @@ class Router:
     async def tokenize(self, req: ClientRequest) -> None:
         body = req.tokenize_body()
         if body is not None:
-            inst = self.decode.pick() or self.colocated.pick() or self.prefill.pick()
-            if inst is None:
-                raise Refused("every instance is down", 503, self.config.health_interval_s)
             if "model" in req.body:
                 body["model"] = req.body["model"]
-            try:
-                answer = await self.hops.post_json(inst, "/tokenize", body, {}, self.config.connect_timeout_s
-                                                   + self.config.idle_timeout_s)
-            except InstanceAnswer as exc:
-                raise RequestError(_message(exc.body), exc.status) from None
-            except HopError as exc:
-                self._failed(self._pool_of(inst), inst, exc.reason)
-                raise Refused(f"tokenization failed: {exc}", 503, self.config.health_interval_s) from None
-            req.token_ids = [int(t) for t in answer.get("tokens", [])]
+            req.token_ids = await self._tokenize(body)
         limit = self.max_model_len()
         if not req.token_ids:
             raise RequestError("the prompt is empty after tokenization", param="prompt")
         if limit is not None and len(req.token_ids) + req.max_tokens > limit:
             raise RequestError(f"this model's context is {limit} tokens; the prompt has {len(req.token_ids)} and "
                                f"max_tokens asks for {req.max_tokens} more", param="prompt")
+
+    async def _tokenize(self, body: dict) -> list[int]:
+        """Token ids from the first live instance that answers /tokenize (decode, colocated, then prefill)."""
+        error = "every instance is down"
+        for pool in (self.decode, self.colocated, self.prefill):
+            for inst in sorted(pool.live(), key=lambda i: i.outstanding_tokens()):
+                try:
+                    answer = await self.hops.post_json(inst, "/tokenize", body, {},
+                                                       self.config.connect_timeout_s + self.config.idle_timeout_s)
+                except InstanceAnswer as exc:
+                    raise RequestError(_message(exc.body), exc.status) from None
+                except HopError as exc:
+                    self._failed(pool, inst, exc.reason)
+                    error = f"tokenization failed: {exc}"
+                    continue
+                return [int(t) for t in answer.get("tokens", [])]
+        raise Refused(error, 503, self.config.health_interval_s)
 
     async def prefill_hop(self, req: ClientRequest, load: Load, deadline: float) -> tuple[str, dict | None]:
         """Prefill on up to ``prefill_attempts`` instances; (route, the kv_transfer_params for decode)."""
@@ -197,9 +203,6 @@ class Router:
             self.metrics.ejections.labels(pool.role.value).inc()
             log.warning("%s instance %s ejected after %d failures (%s)", pool.role.value, inst.url,
                         inst.failures, reason)
-
-    def _pool_of(self, inst: Instance) -> Pool:
-        return {Role.PREFILL: self.prefill, Role.DECODE: self.decode, Role.COLOCATED: self.colocated}[inst.role]
 
     @staticmethod
     def _headers(req: ClientRequest) -> dict:
