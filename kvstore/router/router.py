@@ -14,6 +14,7 @@ from kvstore.router.config import BACKGROUND, INTERACTIVE, RouterConfig
 from kvstore.router.estimates import Estimates, handoff_threshold
 from kvstore.router.hops import HopError, Hops, InstanceAnswer
 from kvstore.router.metrics import RouterMetrics
+from kvstore.router.plan import SOURCE_ESTIMATE, SOURCE_OPTION, SOURCE_PLAN
 from kvstore.router.pool import Instance, Load, Pool, Role
 from kvstore.router.request import ClientRequest, RequestError, verified
 
@@ -38,10 +39,27 @@ class Router:
         self.store_up: bool | None = None  # None: not checked (no --store)
 
     # -- what is served, and where -------------------------------------------------------------------------
-    def threshold(self) -> int:
+    def threshold(self) -> int | None:
+        """Prompts shorter than this skip the prefill pool (None: every prompt does, by the planner's rule).
+        ``--skip-prefill-below`` first, then ``--plan``'s rule, then the live estimate."""
         if self.config.skip_prefill_below is not None:
             return self.config.skip_prefill_below
+        if self.config.plan is not None:
+            return self.config.plan.threshold()
         return handoff_threshold(self.est, self.block_tokens)
+
+    def threshold_source(self) -> dict:
+        """Which short-prompt threshold is in force and where it came from (``/health``)."""
+        c = self.config
+        source = SOURCE_OPTION if c.skip_prefill_below is not None else SOURCE_PLAN if c.plan else SOURCE_ESTIMATE
+        doc = {"below_tokens": self.threshold(), "source": source}
+        if c.plan is not None:
+            doc["plan"] = c.plan.describe()
+        return doc
+
+    def skips_prefill(self, prompt_tokens: int) -> bool:
+        limit = self.threshold()
+        return limit is None or prompt_tokens < limit
 
     def models(self) -> set[str]:
         return {m for p in self.pools for i in p.instances for m in i.models}
@@ -55,7 +73,7 @@ class Router:
         disagg = bool(self.decode.live())
         if disagg and self.store_up is False:
             return "store_down", (self.colocated if self.colocated.live() else self.decode)
-        if disagg and len(req.token_ids) < self.threshold():
+        if disagg and self.skips_prefill(len(req.token_ids)):
             return "skip_short", self.decode
         if disagg and self.prefill.live():
             return "handoff", self.decode
