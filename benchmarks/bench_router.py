@@ -46,10 +46,14 @@ def prompt(n: int, rng: random.Random) -> list[int]:
 
 async def one(session: aiohttp.ClientSession, base: str, ids: list[int], max_tokens: int, stream: bool = True,
               klass: str = "interactive") -> dict:
-    """Send one completion; its status, TTFT and mean gap between tokens (seconds)."""
+    """Send one completion; its status, TTFT and TPOT (seconds). TPOT is (last event - first event) / (tokens
+    - 1), tokens from the final usage: a busy server merges several tokens into one event."""
     body = {"prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     start = time.monotonic()
     times: list[float] = []
+    tokens = 1
     async with session.post(base + "/v1/completions", json=body, headers={"X-Request-Class": klass}) as resp:
         if resp.status != 200 or not stream:
             await resp.read()
@@ -57,9 +61,12 @@ async def one(session: aiohttp.ClientSession, base: str, ids: list[int], max_tok
         else:
             async for line in resp.content:
                 if line.startswith(b"data: {"):
-                    times.append(time.monotonic())
+                    now, event = time.monotonic(), json.loads(line[6:])
+                    if event.get("choices"):
+                        times.append(now)
+                    tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
     ttft = times[0] - start if times else float("nan")
-    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    tpot = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else 0.0
     return {"status": resp.status, "ttft_s": ttft, "tpot_s": tpot, "klass": klass}
 
 
@@ -74,10 +81,9 @@ async def added_latency(session, direct: str, router: str, args, rng) -> dict:
         await one(session, router, prompt(args.prompt_tokens, rng), 2)
     d, r, diffs = [], [], []
     for i in range(args.requests):
-        ids = prompt(args.prompt_tokens, rng)
         order = [(direct, d), (router, r)] if i % 2 == 0 else [(router, r), (direct, d)]
-        for base, out in order:
-            out.append(await one(session, base, ids, args.max_tokens))
+        for base, out in order:  # a fresh prompt each: no prefix-cache hit on the second of a pair
+            out.append(await one(session, base, prompt(args.prompt_tokens, rng), args.max_tokens))
         diffs.append(r[-1]["ttft_s"] - d[-1]["ttft_s"])
     rows = {}
     for name, res in (("direct", d), ("router", r)):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from enum import Enum
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from kvstore.router.plan import RouterPlan
 
 
 class AdmissionKind(Enum):
@@ -57,9 +61,11 @@ class RouterConfig:
     health_interval_s: float = 2.0
     #: Consecutive failures (requests or health checks) that eject an instance until a health check passes.
     eject_after: int = 2
-    #: Prompts shorter than this skip the prefill pool (None: computed from the measured costs, see
-    #: kvstore.router.thresholds).
+    #: Prompts shorter than this skip the prefill pool (None: the plan's rule if there is a plan, else computed
+    #: from the measured costs, see kvstore.router.estimates.handoff_threshold).
     skip_prefill_below: int | None = None
+    #: ``kvstore router --plan PATH``: the planner's skip rule (its budgets are already in slo_ttft_s/slo_tpot_s).
+    plan: RouterPlan | None = None
     #: Prefill instances tried for one request before it falls back to a colocated request on the decode pool.
     prefill_attempts: int = 2
     #: Requests waiting in one admission queue beyond which new ones are shed at once.

@@ -48,7 +48,10 @@ class RouterMetrics:
         self.queued = Gauge("kvstore_router_queued", "Requests waiting in an admission queue", ["queue"],
                             registry=r)
         self.threshold = Gauge("kvstore_router_skip_prefill_below_tokens", "Prompts shorter than this go "
-                               "straight to decode", registry=r)
+                               "straight to decode (+Inf: every prompt, by the planner's rule)", registry=r)
+        self.threshold_source = Gauge("kvstore_router_skip_prefill_source", "1 for where the threshold in force "
+                                      "came from: option (--skip-prefill-below), planner (--plan), estimate (live)",
+                                      ["source"], registry=r)
         for route in ROUTES:
             self.routes.labels(route)
         self.store_up.set(-1)

@@ -14,6 +14,7 @@ from kvstore.router.config import BACKGROUND, INTERACTIVE, RouterConfig
 from kvstore.router.estimates import Estimates, handoff_threshold
 from kvstore.router.hops import HopError, Hops, InstanceAnswer
 from kvstore.router.metrics import RouterMetrics
+from kvstore.router.plan import SOURCE_ESTIMATE, SOURCE_OPTION, SOURCE_PLAN
 from kvstore.router.pool import Instance, Load, Pool, Role
 from kvstore.router.request import ClientRequest, RequestError, verified
 
@@ -38,10 +39,27 @@ class Router:
         self.store_up: bool | None = None  # None: not checked (no --store)
 
     # -- what is served, and where -------------------------------------------------------------------------
-    def threshold(self) -> int:
+    def threshold(self) -> int | None:
+        """Prompts shorter than this skip the prefill pool (None: every prompt does, by the planner's rule).
+        ``--skip-prefill-below`` first, then ``--plan``'s rule, then the live estimate."""
         if self.config.skip_prefill_below is not None:
             return self.config.skip_prefill_below
+        if self.config.plan is not None:
+            return self.config.plan.threshold()
         return handoff_threshold(self.est, self.block_tokens)
+
+    def threshold_source(self) -> dict:
+        """Which short-prompt threshold is in force and where it came from (``/health``)."""
+        c = self.config
+        source = SOURCE_OPTION if c.skip_prefill_below is not None else SOURCE_PLAN if c.plan else SOURCE_ESTIMATE
+        doc = {"below_tokens": self.threshold(), "source": source}
+        if c.plan is not None:
+            doc["plan"] = c.plan.describe()
+        return doc
+
+    def skips_prefill(self, prompt_tokens: int) -> bool:
+        limit = self.threshold()
+        return limit is None or prompt_tokens < limit
 
     def models(self) -> set[str]:
         return {m for p in self.pools for i in p.instances for m in i.models}
@@ -55,7 +73,7 @@ class Router:
         disagg = bool(self.decode.live())
         if disagg and self.store_up is False:
             return "store_down", (self.colocated if self.colocated.live() else self.decode)
-        if disagg and len(req.token_ids) < self.threshold():
+        if disagg and self.skips_prefill(len(req.token_ids)):
             return "skip_short", self.decode
         if disagg and self.prefill.live():
             return "handoff", self.decode
@@ -81,26 +99,32 @@ class Router:
     async def tokenize(self, req: ClientRequest) -> None:
         body = req.tokenize_body()
         if body is not None:
-            inst = self.decode.pick() or self.colocated.pick() or self.prefill.pick()
-            if inst is None:
-                raise Refused("every instance is down", 503, self.config.health_interval_s)
             if "model" in req.body:
                 body["model"] = req.body["model"]
-            try:
-                answer = await self.hops.post_json(inst, "/tokenize", body, {}, self.config.connect_timeout_s
-                                                   + self.config.idle_timeout_s)
-            except InstanceAnswer as exc:
-                raise RequestError(_message(exc.body), exc.status) from None
-            except HopError as exc:
-                self._failed(self._pool_of(inst), inst, exc.reason)
-                raise Refused(f"tokenization failed: {exc}", 503, self.config.health_interval_s) from None
-            req.token_ids = [int(t) for t in answer.get("tokens", [])]
+            req.token_ids = await self._tokenize(body)
         limit = self.max_model_len()
         if not req.token_ids:
             raise RequestError("the prompt is empty after tokenization", param="prompt")
         if limit is not None and len(req.token_ids) + req.max_tokens > limit:
             raise RequestError(f"this model's context is {limit} tokens; the prompt has {len(req.token_ids)} and "
                                f"max_tokens asks for {req.max_tokens} more", param="prompt")
+
+    async def _tokenize(self, body: dict) -> list[int]:
+        """Token ids from the first live instance that answers /tokenize (decode, colocated, then prefill)."""
+        error = "every instance is down"
+        for pool in (self.decode, self.colocated, self.prefill):
+            for inst in sorted(pool.live(), key=lambda i: i.outstanding_tokens()):
+                try:
+                    answer = await self.hops.post_json(inst, "/tokenize", body, {},
+                                                       self.config.connect_timeout_s + self.config.idle_timeout_s)
+                except InstanceAnswer as exc:
+                    raise RequestError(_message(exc.body), exc.status) from None
+                except HopError as exc:
+                    self._failed(pool, inst, exc.reason)
+                    error = f"tokenization failed: {exc}"
+                    continue
+                return [int(t) for t in answer.get("tokens", [])]
+        raise Refused(error, 503, self.config.health_interval_s)
 
     async def prefill_hop(self, req: ClientRequest, load: Load, deadline: float) -> tuple[str, dict | None]:
         """Prefill on up to ``prefill_attempts`` instances; (route, the kv_transfer_params for decode)."""
@@ -197,9 +221,6 @@ class Router:
             self.metrics.ejections.labels(pool.role.value).inc()
             log.warning("%s instance %s ejected after %d failures (%s)", pool.role.value, inst.url,
                         inst.failures, reason)
-
-    def _pool_of(self, inst: Instance) -> Pool:
-        return {Role.PREFILL: self.prefill, Role.DECODE: self.decode, Role.COLOCATED: self.colocated}[inst.role]
 
     @staticmethod
     def _headers(req: ClientRequest) -> dict:

@@ -15,6 +15,7 @@ from aiohttp import web
 from kvstore.router.admission import Refused
 from kvstore.router.config import RouterConfig
 from kvstore.router.hops import HopError, InstanceAnswer
+from kvstore.router.plan import SOURCES
 from kvstore.router.pool import Instance, Pool
 from kvstore.router.request import CHAT, COMPLETIONS, RequestError, parse
 from kvstore.router.router import Router
@@ -87,7 +88,8 @@ class RouterApp:
         pools = {p.role.value: {"live": len(p.live()), "instances": len(p.instances)} for p in r.pools}
         ok = bool(r.decode.live() or r.colocated.live())
         body = {"status": "ok" if ok else "unavailable", "pools": pools, "store_up": r.store_up,
-                "skip_prefill_below": r.threshold(), "estimates": r.est.describe()}
+                "skip_prefill_below": r.threshold(), "skip_prefill": r.threshold_source(),
+                "estimates": r.est.describe()}
         return web.json_response(body, status=200 if ok else 503, headers={} if ok else {"Retry-After": "1"})
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -97,7 +99,10 @@ class RouterApp:
                 r.metrics.instance_up.labels(pool.role.value, inst.url).set(1 if inst.healthy else 0)
                 r.metrics.outstanding.labels(pool.role.value, inst.url).set(inst.outstanding_tokens())
         r.metrics.store_up.set(-1 if r.store_up is None else int(r.store_up))
-        r.metrics.threshold.set(r.threshold())
+        below, source = r.threshold(), r.threshold_source()["source"]
+        r.metrics.threshold.set(float("inf") if below is None else below)
+        for name in SOURCES:
+            r.metrics.threshold_source.labels(name).set(1 if name == source else 0)
         return web.Response(body=r.metrics.render(), content_type="text/plain", charset="utf-8")
 
     # -- health checks -------------------------------------------------------------------------------------
@@ -191,7 +196,8 @@ async def serve(config: RouterConfig, router: Router | None = None, ready=None) 
 def _summary(router: Router) -> dict:
     c = router.config
     return {"prefill": list(c.prefill), "decode": list(c.decode), "colocated": list(c.colocated),
-            "store": c.store, "admission": c.admission.value, "slo_ttft_s": c.slo_ttft_s, "slo_tpot_s": c.slo_tpot_s}
+            "store": c.store, "admission": c.admission.value, "slo_ttft_s": c.slo_ttft_s, "slo_tpot_s": c.slo_tpot_s,
+            "skip_prefill": router.threshold_source()}
 
 
 def run(config: RouterConfig, router: Router | None = None) -> int:
