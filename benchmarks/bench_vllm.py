@@ -123,8 +123,9 @@ def stall_bench(llm, args, prompt, tokens: int) -> dict:
     if args.worker != "none":  # put the arrivals in the connector's store first
         from vllm import SamplingParams
 
-        llm.generate([{"prompt_token_ids": p} for p in arrivals],
-                     SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        for p in arrivals:  # one at a time: each prefill in one chunk (ExampleConnector saves only the first)
+            llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)
         wait_for_saves(llm)
 
     def fresh() -> None:

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from conftest import Daemon, short_tmpdir  # noqa: E402
 from vllm_runner import BLOCK, child_env, claimable_tokens, make_prompts  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(2400)
 HANDOFF_WAIT_S = 3.0
 
 
@@ -97,8 +97,8 @@ def servers():
     decode = Server(model, "kv_consumer", daemon.unix_url, os.path.join(workdir, "decode.log"),
                     extra={"handoff_wait_s": HANDOFF_WAIT_S})
     try:
-        prefill.wait_ready(600)
-        decode.wait_ready(600)
+        prefill.wait_ready(1200)
+        decode.wait_ready(1200)
         yield daemon, prefill, decode
     finally:
         prefill.stop()
