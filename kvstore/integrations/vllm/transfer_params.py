@@ -10,7 +10,9 @@ the OpenAI server's completion response; a router sends it unchanged as the deco
 
 The decode side reads ``request.kv_transfer_params["kvstore"]`` (:func:`parse`): it waits, bounded, for
 promised blocks still in flight instead of recomputing them, and counts and logs a promised block that never
-arrives. Parameters of another connector (no ``"kvstore"`` entry) are ignored; a malformed entry is logged and
+arrives. A router marks the prefill hop's request with ``{"kvstore": {"do_remote_decode": true}}`` (a
+request for a promise, not a promise: nothing to wait for). Parameters of another connector (no ``"kvstore"``
+entry) are ignored; a malformed entry is logged and
 ignored (the request is computed as if nothing were promised) — a router's bug must not fail the request.
 """
 
@@ -49,6 +51,8 @@ def parse(params: Any) -> Promise | None:
     entry = params[NAME]
     if not isinstance(entry, dict):
         raise BadParams(f"kv_transfer_params['kvstore'] must be a dict, got {type(entry).__name__}")
+    if "version" not in entry and entry.get("do_remote_decode") is True:
+        return None  # the prefill hop's marker: this instance is asked to save and report, not to load
     if entry.get("version") != VERSION:
         raise BadParams(f"kv_transfer_params['kvstore']['version'] is {entry.get('version')!r}; this connector "
                         f"reads version {VERSION}")
