@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from kvstore import ops  # noqa: E402
 from kvstore.errors import UnsupportedKVCacheError  # noqa: E402
 from kvstore.integrations.vllm import cache_layouts, keys  # noqa: E402
 from kvstore.integrations.vllm.block_io import BlockIO  # noqa: E402
@@ -78,6 +79,12 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def gather(io: BlockIO, block_ids: list[int]) -> torch.Tensor:
+    """Blocks ``block_ids`` of every layer, in the kind's packed order (what a save writes into the store)."""
+    packed = torch.empty(ops.packed_shape(io._kernel_layout, len(block_ids)), dtype=io._kernel_layout.dtype)
+    return ops.gather_pages(io._pages, io._ids(block_ids), packed, layout=io._kernel_layout)
+
+
 def k_and_v(view: torch.Tensor, block: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's K and V as vLLM's FlashAttention backend reads them: [N, H, D] each."""
     key, value = view[block:block + 1].transpose(1, 2).split(head_size, dim=-1)
@@ -92,7 +99,7 @@ def test_every_backend_layout_maps_to_a_kind_that_moves_its_blocks_exactly(modul
     expected_kind = KVLayoutKind.MLA if mla else cache_layouts.LAYOUT_KINDS[layout_name]
     assert layout.kind == expected_kind.value
     src = vllm_views(spec, layout_name, 1)
-    packed = BlockIO(src, layout).pack([7, 2])
+    packed = gather(BlockIO(src, layout), [7, 2])
     assert packed.numel() * packed.element_size() == 2 * layout.block_nbytes
     page = packed[0, 1].contiguous()  # block 7, layer 1, in the kind's packed order
     expected = src[1][7] if mla or expected_kind is KVLayoutKind.VLLM_HNC else src[1][7].transpose(0, 1)
