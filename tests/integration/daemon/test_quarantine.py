@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from client_child import pattern  # noqa: E402
-from conftest import MiB, child_env, wait_until
+from conftest import MiB, child_env, hello_proof, wait_until
 from test_bad_input import CLOSED, RawClient
 
 import kvstore
@@ -139,13 +139,13 @@ def test_second_hello_cannot_switch_a_tcp_session_to_shm(daemon_factory):
     d = daemon_factory(capacity="32MiB")
     c = RawClient(d.tcp_url)
     try:
-        assert c.hello(token=d.token, transport="tcp")["transport"] == "tcp"
+        assert c.hello(transport="tcp", **hello_proof(c.call, d.token))["transport"] == "tcp"
         reply = c.call({"op": "hello", "client": "raw-test", "transport": "shm", "host": host_id(),
-                        "pid": os.getpid(), "token": d.token})
+                        "pid": os.getpid(), **hello_proof(c.call, d.token)})
         assert reply != CLOSED and reply["ok"] is False and reply["error"] == "InvalidArgument", reply
         assert "second hello" in reply["message"]
         again = c.call({"op": "hello", "client": "raw-test", "transport": "tcp", "host": host_id(),
-                        "token": d.token})
+                        **hello_proof(c.call, d.token)})
         assert again["ok"] and again["transport"] == "tcp"  # the same transport: still allowed
         with d.connect("shm") as s:
             clients = [x for x in s.stats()["connections"] if x["client"] == "raw-test"]
