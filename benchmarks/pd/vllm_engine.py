@@ -4,7 +4,8 @@
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with one OpenMP thread bound to one core, stepped by this module's
 loop. The router speaks JSON lines (never pickle):
 
-- stdin: ``{"op": "add", "id": ID, "prompt": [token ids], "max_tokens": N}`` and ``{"op": "stop"}``.
+- stdin: ``{"op": "add", "id": ID, "prompt": [token ids], "max_tokens": N[, "kv_transfer_params": {...}]}`` and
+  ``{"op": "stop"}``.
 - stdout: ``{"ev": "ready", ...}`` once the engine is built, ``{"ev": "done", "id": ID, ...}`` per finished
   request (its token ids, the time of every token, when its first step started and ended, and the KV bytes
   and seconds the connector moved for it), and ``{"ev": "stats", ...}`` at stop (the step timeline, CPU
@@ -132,7 +133,10 @@ class Instance:
     def _add(self, msg: dict) -> None:
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=msg["max_tokens"], temperature=0.0, ignore_eos=True)
+        # the prefill's promise (kv_transfer_params) rides with the decode request: the connector waits, bounded,
+        # for saves still in flight instead of recomputing
+        extra = {"kv_transfer_params": msg["kv_transfer_params"]} if msg.get("kv_transfer_params") else None
+        params = SamplingParams(max_tokens=msg["max_tokens"], temperature=0.0, ignore_eos=True, extra_args=extra)
         internal = self.engine.add_request(msg["id"], {"prompt_token_ids": msg["prompt"]}, params)
         self.live[internal] = _Request(msg["id"], len(msg["prompt"]))
 
@@ -213,7 +217,8 @@ class Instance:
             self.emit({"ev": "done", "id": req.id, "output_ids": req.ids, "token_times_s": req.token_times,
                        "prefill_start_s": req.first_start, "prefill_end_s": req.first_end,
                        "kv_bytes": req.kv_bytes, "kv_s": round(req.kv_s, 6),
-                       "cached_tokens": out.num_cached_tokens or 0})
+                       "cached_tokens": out.num_cached_tokens or 0,
+                       "kv_transfer_params": getattr(out, "kv_transfer_params", None)})
 
     def serve(self) -> None:
         running = True

@@ -2,8 +2,9 @@
 
 Each request is sent at its arrival offset. Colocated / chunked: to the instance with the fewest outstanding
 tokens (prompt + output not yet generated), as the small engine's router does. Disaggregated: to the prefill
-instance with ``max_tokens=1``; when it reports the request done (its blocks are in the store: the producer
-saves synchronously), the same prompt goes to the decode instance with the request's full ``max_tokens``.
+instance with ``max_tokens=1``; when it reports the request done, the same prompt goes to the decode instance
+with the request's full ``max_tokens`` and the prefill's ``kv_transfer_params`` (its promise: the decode side
+waits, bounded, for saves still in flight).
 Outputs of one run: ``requests.jsonl``, ``timeline.jsonl``, ``summary.json`` (deployment.py's format).
 """
 
@@ -33,6 +34,7 @@ class _Serving:
                                          r.prompt_tokens * kv_bytes_per_token) for r in trace.requests}
         self.prompts = {r.id: list(r.prompt_ids) for r in trace.requests}
         self.outstanding = [0] * len(fleet.instances)
+        self.promises: dict[str, dict | None] = {}  # the prefill's kv_transfer_params, until decode is done
         self.on: list[set[str]] = [set() for _ in fleet.instances]  # request ids each instance has
         self.fault = FaultInjector(fault, self) if fault is not None else None
         self.left = len(trace.requests)
@@ -54,11 +56,11 @@ class _Serving:
             target = min(live, key=lambda i: (self.outstanding[i], i))
             self._send(target, rid, rec.output_tokens)
 
-    def _send(self, index: int, rid: str, max_tokens: int) -> None:
+    def _send(self, index: int, rid: str, max_tokens: int, kv_transfer_params: dict | None = None) -> None:
         self.outstanding[index] += len(self.prompts[rid]) + max_tokens
         self.on[index].add(rid)
         self.fleet.instances[index].send({"op": "add", "id": rid, "prompt": self.prompts[rid],
-                                          "max_tokens": max_tokens})
+                                          "max_tokens": max_tokens, "kv_transfer_params": kv_transfer_params})
 
     def on_done(self, index: int, ev: dict) -> None:
         rec = self.records[ev["id"]]
@@ -71,18 +73,20 @@ class _Serving:
             self.left -= 1
         elif index == 0:  # prefill done: its blocks are saved; the decode instance takes it from here
             rec.on_handed_off(index, {**r, "publish_s": ev["kv_s"]})
-            # the producer saves inside its step (wait_for_save), so the step's end is when the KV is ready
+            # saves may still be in flight at the step's end: the promise sent with decode makes it wait for them
             rec.decode_ready_s, rec.saved_bytes = rec.prefill_end_s, ev["kv_bytes"]
+            self.promises[rec.id] = ev.get("kv_transfer_params")
             if self.fault is None or not self.fault.hold(rec.id):
                 self.send_decode(rec.id)
         else:
             rec.on_decode_done(index, {"admitted_s": r["prefill_start_s"], "fetch_s": ev["kv_s"],
                                        "output_ids": r["output_ids"], "token_times_s": r["token_times_s"]})
             rec.loaded_bytes, rec.cached_tokens = ev["kv_bytes"], ev["cached_tokens"]
+            self.promises.pop(rec.id, None)
             self.left -= 1
 
     def send_decode(self, rid: str) -> None:
-        self._send(1, rid, self.records[rid].output_tokens)
+        self._send(1, rid, self.records[rid].output_tokens, self.promises.get(rid))  # kept for a refetch
 
     def serve(self, timeout_s: float) -> None:
         pending = sorted(self.trace.requests, key=lambda r: (r.arrival_s, r.id))
