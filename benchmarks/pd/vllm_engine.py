@@ -194,11 +194,16 @@ class Instance:
         return round(usage * pool.num_gpu_blocks), int(usage * self.spec.kv_cache_bytes)
 
     def _attribute(self, started: list[_Request], moved: dict) -> None:
-        total = sum(r.prompt_tokens for r in started)
-        for req in started:
-            share = req.prompt_tokens / total
-            req.kv_bytes += round((moved["load_bytes"] + moved["save_bytes"]) * share)
-            req.kv_s += (moved["load_seconds"] + moved["save_seconds"]) * share
+        """Share a step's connector traffic out by prompt length. Saves go to the requests that started in the
+        step; loads also to those still waiting for their KV (an asynchronous load lands between steps, before
+        the request computes anything)."""
+        waiting = [r for r in self.live.values() if r.first_start is None]
+        for kind, reqs in (("save", started), ("load", started + waiting)):
+            total = sum(r.prompt_tokens for r in reqs)
+            for req in reqs:
+                share = req.prompt_tokens / total
+                req.kv_bytes += round(moved[f"{kind}_bytes"] * share)
+                req.kv_s += moved[f"{kind}_seconds"] * share
 
     def _on_output(self, out, t: float) -> None:
         rid = next((k for k in (out.request_id, getattr(out, "external_req_id", None)) if k in self.live), None)

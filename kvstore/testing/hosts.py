@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import shutil
 import signal
 import statistics
@@ -33,6 +34,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 #: the rates the tests and benchmarks shape links to, in Gbit/s
@@ -218,7 +220,7 @@ class Hosts:
     def _keeper(self, host: Host) -> subprocess.Popen[Any]:
         # unshare execs (no fork), so the Popen's pid is the process that holds the new namespaces
         script = (f"mount -t tmpfs -o size={self._shm_size},mode=1777 shm /dev/shm && "
-                  "mount -t tmpfs -o mode=1777 tmp /tmp && "
+                  f"{_private_tmp_script()} && "
                   f"hostname {host.netns} && echo ready && exec sleep 2147483647")
         keeper = subprocess.Popen(["ip", "netns", "exec", host.netns, "unshare", "--mount", "--uts",
                                    "--propagation", "private", "sh", "-c", script],
@@ -259,6 +261,33 @@ class Hosts:
         self.links.clear()
         if failures:
             raise HostSetupError(f"stopping the hosts' processes failed: {failures}")
+
+
+def _outside_paths_in_tmp() -> list[str]:
+    """Directories under /tmp that processes on a host must still see: the checkout kvstore runs from and the
+    Python installation (a clone in /tmp/x would otherwise vanish under the host's private /tmp)."""
+    import kvstore
+
+    keep = set()
+    for path in (Path(kvstore.__file__).resolve().parents[1], Path(sys.prefix).resolve(), Path.cwd().resolve()):
+        if len(path.parts) > 2 and path.parts[1] == "tmp":
+            keep.add(str(Path("/tmp", path.parts[2])))
+    return sorted(keep)
+
+
+def _private_tmp_script() -> str:
+    """Shell: a private tmpfs on /tmp, with :func:`_outside_paths_in_tmp` bound back into it (through a bind
+    of the outer /tmp that is unmounted again at once)."""
+    keep = _outside_paths_in_tmp()
+    if not keep:
+        return "mount -t tmpfs -o mode=1777 tmp /tmp"
+    outer = "/dev/shm/.kvstore-outer-tmp"
+    steps = [f"mkdir {outer}", f"mount --bind /tmp {outer}", "mount -t tmpfs -o mode=1777 tmp /tmp"]
+    for path in keep:
+        inner = shlex.quote(f"{outer}/{Path(path).name}")
+        steps += [f"mkdir -p {shlex.quote(path)}", f"mount --bind {inner} {shlex.quote(path)}"]
+    steps += [f"umount -l {outer}", f"rmdir {outer}"]
+    return " && ".join(steps)
 
 
 def _kill(proc: subprocess.Popen[Any]) -> None:
