@@ -121,6 +121,8 @@ class Instance:
         self.timeline: list[list] = []
         self.cpu0 = time.process_time()
         self.counters0: dict[str, float] = _counters()
+        # counters as last read: the connector's threads also move bytes between steps, and those count too
+        self._seen: dict[str, float] = dict(self.counters0)
         self.peak_kv_bytes = 0
 
     def now(self) -> float:
@@ -159,9 +161,10 @@ class Instance:
         return {rid: r.num_computed_tokens for rid, r in self.scheduler.requests.items()}
 
     def step(self) -> None:
-        before, c0, start = self._computed(), _counters(), self.now()
+        before, c0, start = self._computed(), self._seen, self.now()
         outputs = self.engine.step()
         end, c1, after = self.now(), _counters(), self._computed()
+        self._seen = c1
         prefill = decode = 0
         started = []
         for rid, req in self.live.items():
