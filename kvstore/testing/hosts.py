@@ -226,7 +226,8 @@ class Hosts:
                                    "--propagation", "private", "sh", "-c", script],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         host.keeper = keeper  # killed at close even if it never says ready
-        assert keeper.stdout is not None and keeper.stderr is not None  # both are PIPEs
+        if keeper.stdout is None or keeper.stderr is None:  # both are PIPEs: narrows the types
+            raise HostSetupError(f"host {host.name}: the keeper has no output pipes")
         line = keeper.stdout.readline()  # bounded: the script ends (EOF) on any failure
         if line.strip() != "ready":
             keeper.wait(5)
@@ -359,7 +360,8 @@ def measure_link(link: Link, nbytes: int = 64 << 20, repeats: int = 3, *, port: 
     recv = dst.popen([sys.executable, "-m", "kvstore.testing.rawlink", "recv", "--bind", link.address(dst), *common],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert recv.stdout is not None and recv.stderr is not None  # both are PIPEs
+        if recv.stdout is None or recv.stderr is None:  # both are PIPEs: narrows the types
+            raise HostSetupError(f"raw link receiver on {dst.name}: no output pipes")
         if recv.stdout.readline().strip() != "ready":
             raise HostSetupError(f"raw link receiver on {dst.name} failed: {recv.stderr.read().strip()}")
         out = src.run([sys.executable, "-m", "kvstore.testing.rawlink", "send", "--to", link.address(dst), *common],

@@ -9,16 +9,13 @@ host b's Redis traffic cross the link (and stop when it is taken down).
 from __future__ import annotations
 
 import contextlib
-import os
-import secrets
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
-import pytest
-from host_fleet import Fleet, child_env
+from host_fleet import Fleet, child_env, token_hosts
 
 from kvstore.testing import hosts as H
 
@@ -86,16 +83,7 @@ class ClusterFleet(Fleet):
 def cluster_fleet(node_ttl: float = NODE_TTL, peer_timeout: float = PEER_TIMEOUT) -> Iterator[ClusterFleet]:
     """Hosts a and b (1 Gbit/s link), one token on both, Redis and node ``na`` on a, node ``nb`` on b; all removed
     at exit. Skips (pytest) where namespaces cannot be made."""
-    reason = H.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    H.remove_stale()
-    with H.Hosts(("a", "b"), rate_gbit=1) as hosts:
-        token = secrets.token_hex(16)
-        for host in hosts.hosts.values():
-            fd = os.open(host.path("/tmp/token"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            os.write(fd, token.encode())
-            os.close(fd)
+    with token_hosts() as hosts:
         fleet = ClusterFleet(hosts, hosts.link("a", "b"))
         fleet.daemons, fleet.node_ttl, fleet.peer_timeout = {}, node_ttl, peer_timeout
         fleet.start_redis()

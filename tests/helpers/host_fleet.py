@@ -9,6 +9,7 @@ token in its private /tmp. Host a's daemon listens on its Unix socket (clients o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import paths
@@ -108,8 +110,10 @@ def finish(proc: subprocess.Popen, timeout: float = 60.0) -> list[dict]:
     return [json.loads(x) for x in out.splitlines() if x.startswith("{")]
 
 
-def two_hosts():
-    """The generator behind a module's ``fleet`` fixture: hosts a and b at 1 Gbit/s, a daemon on a."""
+@contextlib.contextmanager
+def token_hosts() -> Iterator[H.Hosts]:
+    """Hosts a and b joined by a 1 Gbit/s link, each with the same token in its private /tmp/token; removed at
+    exit. Skips (pytest) where namespaces cannot be made."""
     reason = H.unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
@@ -120,6 +124,12 @@ def two_hosts():
             fd = os.open(host.path("/tmp/token"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             os.write(fd, token.encode())
             os.close(fd)
+        yield hosts
+
+
+def two_hosts():
+    """The generator behind a module's ``fleet`` fixture: hosts a and b at 1 Gbit/s, a daemon on a."""
+    with token_hosts() as hosts:
         # short stall and liveness limits: a cut link frees the daemon's side within seconds
         fleet = Fleet(hosts, hosts.link("a", "b"), serve_args=("--transfer-timeout", "2", "--heartbeat-timeout", "4"))
         fleet.start_daemon()
