@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from kvstore.core.allocator import Allocator
-from kvstore.core.arena import ArenaLedger
+from kvstore.core.arena import Arena, ArenaLedger, ArenaPut
 from kvstore.core.meta import ObjectMeta
 from kvstore.core.quota import ClientQuota
 from kvstore.core.relocation import open_extent
@@ -173,8 +173,10 @@ class _Client:
         return self.pending_bytes + self.leased_bytes
 
 
-class Master(ArenaLedger):
+class Master:
     replica_type = Replica  # what the arena ledger builds
+    #: arenas one client may hold at once (its quota bounds their bytes)
+    MAX_ARENAS = ArenaLedger.MAX_ARENAS
 
     def __init__(self, segment_sizes: list[int], *, high_watermark: float = 0.9, low_watermark: float = 0.8,
                  policy: EvictionPolicy | None = None, alignment: int = 64,
@@ -216,7 +218,7 @@ class Master(ArenaLedger):
         self.refusals = 0  # StoreFullError raised for lack of space
         self.fill_at_first_eviction: float | None = None  # used / capacity of the tier when it first evicted
         self.fill_at_first_refusal: float | None = None  # ... when it first raised StoreFullError
-        self._arena_init()
+        self.arenas = ArenaLedger(self)  # same-host clients' arenas (kvstore.core.arena)
 
     # ---- clients ------------------------------------------------------------------------------------
     def register_client(self, name: str = "", peer: str = "") -> int:
@@ -259,7 +261,7 @@ class Master(ArenaLedger):
                 replica.held += 1
                 held.append(replica)
             self.release(lease_id)
-        held.extend(self._drop_arenas(client, quarantine))
+        held.extend(self.arenas.drop_arenas(client, quarantine))
         if held:
             self._quarantine.setdefault(client, []).extend(held)
         for key, rid in state.ephemeral.items():
@@ -288,6 +290,26 @@ class Master(ArenaLedger):
     def silent_clients(self, timeout: float) -> list[int]:
         now = self.clock()
         return [c.id for c in self._clients.values() if now - c.last_seen > timeout]
+
+    # ---- arenas (the ledger's, kvstore.core.arena) -----------------------------------------------------
+    def grant_arena(self, client: int, nbytes: int, need: int = 0) -> Arena:
+        """See :meth:`ArenaLedger.grant_arena`."""
+        return self.arenas.grant_arena(client, nbytes, need)
+
+    def release_arenas(self, client: int, arena_ids: Sequence[int]) -> int:
+        """See :meth:`ArenaLedger.release_arenas`."""
+        return self.arenas.release_arenas(client, arena_ids)
+
+    def commit_arena(self, client: int, entries: Sequence[ArenaPut | tuple[int, int | None]], *,
+                     if_absent: bool = False, pin: bool = False, ephemeral: bool = False) -> list[Replica]:
+        """See :meth:`ArenaLedger.commit_arena`."""
+        return self.arenas.commit_arena(client, entries, if_absent=if_absent, pin=pin, ephemeral=ephemeral)
+
+    def arenas_of(self, client: int) -> list[Arena]:
+        return self.arenas.arenas_of(client)
+
+    def arena_stats(self) -> dict[str, int]:
+        return self.arenas.arena_stats()
 
     # ---- puts ---------------------------------------------------------------------------------------
     def begin_put(self, meta: ObjectMeta, client: int, *, if_absent: bool = False, pin: bool = False,
@@ -476,7 +498,7 @@ class Master(ArenaLedger):
             "quarantined_bytes": self.quarantined_bytes(), "quarantined_clients": len(self._quarantine),
             "free_bytes": free, "largest_free_bytes": largest,
             "fragmentation": 0.0 if free == 0 else round(1.0 - largest / free, 6),
-            "high_watermark": self.high, "low_watermark": self.low, **self.arena_stats(),
+            "high_watermark": self.high, "low_watermark": self.low, **self.arenas.arena_stats(),
             "tiers": {t.value: {"capacity_bytes": sum(self.allocators[i].capacity for i in segs),
                                 "used_bytes": self._used(segs), "segments": list(segs)}
                       for t, segs in sorted(self._tier_segments.items(), key=lambda kv: kv[1])},

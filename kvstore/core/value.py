@@ -143,8 +143,9 @@ class KVObject(np.ndarray):
         meta = self.meta
         if meta.kind == "numpy" and meta.dtype:
             return base.view(np.dtype(meta.dtype)).reshape(meta.shape)
-        if meta.kind == "torch" and meta.dtype and _numpy_dtype(meta.dtype) is not None:
-            return base.view(_numpy_dtype(meta.dtype)).reshape(meta.shape)
+        as_numpy = _numpy_dtype(meta.dtype) if meta.kind == "torch" and meta.dtype else None
+        if as_numpy is not None:
+            return base.view(as_numpy).reshape(meta.shape)
         return base
 
     def tensor(self) -> Any:
