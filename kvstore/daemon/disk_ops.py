@@ -1,4 +1,5 @@
-"""DiskOps: the session's read and metadata ops when the daemon has a disk tier (``--disk-path``).
+"""DiskOps: the session's read and metadata ops when the daemon has a disk tier (``--disk-path``; a handler
+object that a :class:`~kvstore.daemon.session.Session` owns then).
 
 Each wraps the memory-only op of :class:`~kvstore.daemon.session.Session`: a key memory does not hold is
 looked up on disk. ``get`` in region mode (the shm path) and ``lease`` promote the object (its bytes must be
@@ -13,38 +14,38 @@ from typing import TYPE_CHECKING, Any
 from kvstore.core.tiering import describe_disk_object
 from kvstore.errors import KeyNotFoundError, ObjectTooLargeError
 from kvstore.protocol import wire
+from kvstore.protocol.wire import ok_reply
 
 if TYPE_CHECKING:
+    from kvstore.daemon.context import SessionContext
     from kvstore.daemon.disk_io import DiskService
+    from kvstore.daemon.session import Handler
 
 
 class DiskOps:
-    """Mixin of Session; ``disk_handlers()`` overrides entries of the op table when a disk tier runs."""
+    """Its ``handlers()`` override entries of the session's op table when a disk tier runs; ``get``, ``lease`` and
+    ``inspect`` are the session's memory-only handlers it wraps (a subclass's overrides included)."""
 
-    ctx: Any
-    master: Any
+    def __init__(self, session: SessionContext, disk: DiskService, *, get: Handler, lease: Handler,
+                 inspect: Handler):
+        self.s, self._disk = session, disk
+        self._get, self._lease, self._inspect = get, lease, inspect
 
-    def disk_handlers(self) -> dict:
-        if getattr(getattr(self, "ctx", None), "disk", None) is None:  # the table is also built unconnected
-            return {}
+    def handlers(self) -> dict[str, Handler]:
         return {"get": self.op_disk_get, "lease": self.op_disk_lease, "exists": self.op_disk_exists,
                 "batch_exists": self.op_disk_batch_exists, "evict": self.op_disk_evict,
                 "remove": self.op_disk_remove, "ls": self.op_disk_ls, "inspect": self.op_disk_inspect}
 
-    @property
-    def _disk(self) -> DiskService:
-        return self.ctx.disk
-
-    async def op_disk_get(self, rid: int, f: dict) -> dict | None:
+    async def op_disk_get(self, rid: int, f: dict[str, Any]) -> dict[str, Any] | None:
         try:
-            return await self.op_get(rid, f)
+            return await self._get(rid, f)
         except KeyNotFoundError:
             if not self._disk.contains(f["key"]):
                 raise
         disk = self._disk
         if (f["mode"] != "stream" or disk.wants_promotion(f["key"])) and await disk.promote(f["key"]):
             try:
-                return await self.op_get(rid, f)
+                return await self._get(rid, f)
             except KeyNotFoundError:
                 pass  # evicted again at once (memory too small): serve it from disk
         if f["mode"] != "stream":
@@ -53,38 +54,38 @@ class DiskOps:
             raise ObjectTooLargeError(f"key {f['key']!r} is on disk and does not fit in memory, so it cannot be "
                                       f"mapped ({f['mode']} path); read it with a stream path (tcp)")
         meta, buf = await disk.read(f["key"])
-        await self._send(self._ok(rid, meta=meta.to_wire(), stream=meta.size), memoryview(buf))
+        await self.s.conn.send(ok_reply(rid, meta=meta.to_wire(), stream=meta.size), memoryview(buf))
         return None
 
-    async def op_disk_lease(self, rid: int, f: dict) -> dict:
+    async def op_disk_lease(self, rid: int, f: dict[str, Any]) -> dict[str, Any] | None:
         try:
-            return await self.op_lease(rid, f)
+            return await self._lease(rid, f)
         except KeyNotFoundError:
             if not self._disk.contains(f["key"]) or not await self._disk.promote(f["key"]):
                 raise
-        return await self.op_lease(rid, f)
+        return await self._lease(rid, f)
 
-    async def op_disk_exists(self, rid: int, f: dict) -> dict:
-        return self._ok(rid, value=self.master.exists(f["key"]) or self._disk.contains(f["key"]))
+    async def op_disk_exists(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
+        return ok_reply(rid, value=self.s.master.exists(f["key"]) or self._disk.contains(f["key"]))
 
-    async def op_disk_batch_exists(self, rid: int, f: dict) -> dict:
-        return self._ok(rid, value=[self.master.exists(k) or self._disk.contains(k) for k in f["keys"]])
+    async def op_disk_batch_exists(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
+        return ok_reply(rid, value=[self.s.master.exists(k) or self._disk.contains(k) for k in f["keys"]])
 
-    async def op_disk_evict(self, rid: int, f: dict) -> dict:
+    async def op_disk_evict(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         """Evicting a memory object demotes it; evicting a disk-only object drops it."""
-        return self._ok(rid, value=self.master.evict(f["key"]) or self._disk.disk.discard(f["key"]))
+        return ok_reply(rid, value=self.s.master.evict(f["key"]) or self._disk.disk.discard(f["key"]))
 
-    async def op_disk_remove(self, rid: int, f: dict) -> dict:
-        removed = self.master.remove(f["key"])
-        return self._ok(rid, value=self._disk.disk.discard(f["key"]) or removed)
+    async def op_disk_remove(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
+        removed = self.s.master.remove(f["key"])
+        return ok_reply(rid, value=self._disk.disk.discard(f["key"]) or removed)
 
-    async def op_disk_ls(self, rid: int, f: dict) -> dict:
-        keys = sorted(set(self.master.keys(f["prefix"])).union(self._disk.disk.keys(f["prefix"])))
+    async def op_disk_ls(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
+        keys = sorted(set(self.s.master.keys(f["prefix"])).union(self._disk.disk.keys(f["prefix"])))
         page, more = wire.page_of_keys(keys, f["after"], f["limit"])
-        return self._ok(rid, value=page, total=len(keys), more=more)
+        return ok_reply(rid, value=page, total=len(keys), more=more)
 
-    async def op_disk_inspect(self, rid: int, f: dict) -> dict:
+    async def op_disk_inspect(self, rid: int, f: dict[str, Any]) -> dict[str, Any] | None:
         try:
-            return await self.op_inspect(rid, f)
+            return await self._inspect(rid, f)
         except KeyNotFoundError:
-            return self._ok(rid, value=describe_disk_object(self._disk.lookup(f["key"])))
+            return ok_reply(rid, value=describe_disk_object(self._disk.lookup(f["key"])))

@@ -1,4 +1,5 @@
-"""FrameOps: compressed payloads on the stream path (mixed into :class:`~kvstore.daemon.session.Session`).
+"""FrameOps: compressed payloads on the stream path, over a session's
+:class:`~kvstore.daemon.connection.Connection` (the session owns one).
 
 A ``get`` or ``put`` that carries ``compress`` moves its payload as the frames of
 :mod:`kvstore.protocol.compression`. Sending, the next frame is compressed on a worker thread while the event
@@ -9,32 +10,29 @@ lands; the object's checksum is hashed from the decoded bytes, as for an uncompr
 
 from __future__ import annotations
 
-import asyncio
-import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from kvstore.errors import ChecksumError
 from kvstore.protocol import compression as cz
+from kvstore.protocol.wire import ok_reply
 
 if TYPE_CHECKING:
-    from kvstore.daemon.metrics import Metrics
+    from kvstore.daemon.connection import Connection
 
 
 class FrameOps:
-    # provided by Session (and SessionGuards)
-    loop: asyncio.AbstractEventLoop
-    sock: socket.socket
-    metrics: Metrics
+    def __init__(self, conn: Connection):
+        self.conn = conn
 
-    async def send_object(self, rid: int, meta: dict, region: memoryview, compress: str | None) -> None:
+    async def send_object(self, rid: int, meta: dict[str, Any], region: memoryview, compress: str | None) -> None:
         """The reply to a stream get and its payload: as frames when the client asked for ``compress`` and the
         object is large enough to gain from it, raw otherwise."""
         if compress is None or len(region) < cz.MIN_SIZE:
-            await self._send(self._ok(rid, meta=meta, stream=len(region)), region)
+            await self.conn.send(ok_reply(rid, meta=meta, stream=len(region)), region)
             return
-        await self._send(self._ok(rid, meta=meta, frames=len(region), codec=compress))
+        await self.conn.send(ok_reply(rid, meta=meta, frames=len(region), codec=compress))
         await self.send_frames(region, compress)
 
     async def send_frames(self, payload: memoryview, codec: str) -> int:
@@ -42,19 +40,20 @@ class FrameOps:
         stay valid until this returns (a lease holds it); a frame being compressed when the session is cut
         only reads memory that is still mapped, and is never sent."""
         encoder = cz.Encoder(payload, codec)
-        self.transfer_begins()
+        loop, sock, clock = self.conn.loop, self.conn.sock, self.conn.clock
+        clock.begins()
         try:
-            pending = self.loop.run_in_executor(None, encoder.frame, 0)
+            pending = loop.run_in_executor(None, encoder.frame, 0)
             for i in range(encoder.count):
                 header, body = await pending
                 if i + 1 < encoder.count:
-                    pending = self.loop.run_in_executor(None, encoder.frame, i + 1)
-                await self.loop.sock_sendall(self.sock, header)
-                await self.loop.sock_sendall(self.sock, body)
-                self.transfer_moved()
+                    pending = loop.run_in_executor(None, encoder.frame, i + 1)
+                await loop.sock_sendall(sock, header)
+                await loop.sock_sendall(sock, body)
+                clock.moved()
         finally:
-            self.transfer_ends()
-        self.metrics.bytes_out(len(payload))
+            clock.ends()
+        self.conn.bytes_out(len(payload))
         return encoder.wire_bytes
 
     async def read_frames_into(self, region: memoryview, hasher: xxhash.xxh3_64) -> None:
@@ -67,7 +66,7 @@ class FrameOps:
         error: ChecksumError | None = None
         pos = 0
         while pos < len(region):
-            await self._read_into(header)
+            await self.conn.read_into(header)
             frame = cz.parse_header(header, len(region) - pos)
             dst = region[pos:pos + frame.raw_len]
             if frame.codec == cz.STORED:
@@ -76,7 +75,7 @@ class FrameOps:
                 if scratch is None:
                     scratch = memoryview(bytearray(cz.lz4_bound(cz.CHUNK)))
                 body = scratch[:frame.wire_len]
-            await self._read_into(body)
+            await self.conn.read_into(body)
             if error is None:
                 try:
                     cz.decode(frame, body, dst)
@@ -92,7 +91,7 @@ class FrameOps:
         header = memoryview(bytearray(cz.HEADER.size))
         pos = 0
         while pos < size:
-            await self._read_into(header)
+            await self.conn.read_into(header)
             frame = cz.parse_header(header, size - pos)
-            await self._skip(frame.wire_len)
+            await self.conn.skip(frame.wire_len)
             pos += frame.raw_len

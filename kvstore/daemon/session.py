@@ -1,9 +1,11 @@
-"""Session: one client connection of the daemon — framing, validation, and the ops it serves.
+"""Session: one client connection of the daemon — its lifecycle, the handshake, validation and dispatch, and the
+store's ops. What it serves beyond those is in op groups it owns (handler objects over it as their narrow
+:class:`~kvstore.daemon.context.SessionContext`): arenas (``ArenaOps``), the GPU path (``GpuOps``), the UCX path
+(``UcxOps``), the disk tier (``DiskOps``); framing and payload bytes are its
+:class:`~kvstore.daemon.connection.Connection`'s, compressed payloads its ``FrameOps``'.
 
-Payload bytes of the stream path move between the socket and segment memory directly
-(``sock_recv_into`` / ``sock_sendall`` on memoryviews of the segment). A bad request gets an error reply and
-the connection stays usable; broken framing (an oversized or truncated frame, a put whose payload cannot be
-skipped) closes the connection. Every other client is unaffected either way.
+A bad request gets an error reply and the connection stays usable; broken framing (an oversized or truncated
+frame, a put whose payload cannot be skipped) closes the connection. Every other client is unaffected either way.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import xxhash
 from kvstore.core.master import describe_replica
 from kvstore.core.meta import ObjectMeta
 from kvstore.daemon.arena_ops import ArenaOps
+from kvstore.daemon.connection import INLINE_REPLY, Closed, Connection
+from kvstore.daemon.context import client_of
 from kvstore.daemon.disk_ops import DiskOps
 from kvstore.daemon.frames import FrameOps
 from kvstore.daemon.gpu_ops import GpuOps
-from kvstore.daemon.guards import PeerGone, SessionGuards
+from kvstore.daemon.guards import AuthDeadline, PeerGone
 from kvstore.daemon.handshake import Handshake
 from kvstore.daemon.limits import AuthBackoff, LogBudget
 from kvstore.daemon.quarantine import MAPS_MEMORY, PidWatch, peer_cred, tcp_peer_cred
@@ -43,131 +47,95 @@ from kvstore.errors import (
 from kvstore.protocol import compression, wire
 
 if TYPE_CHECKING:
+    from kvstore.core.master import Master, Replica
     from kvstore.daemon.context import DaemonContext
+    from kvstore.daemon.metrics import Metrics
+    from kvstore.memory.segment import SegmentSet
 
 log = logging.getLogger("kvstore.daemon.server")
-_BUFFER = 64 << 10
-_INLINE_REPLY = 64 << 10  # stream replies up to this size go out in one send with their header
-#: a streamed put is received (and hashed) in pieces this big: each is hashed right after it lands, while in cache
-_HASH_PIECE = 256 << 10
+_INLINE_REPLY = INLINE_REPLY  # the name the cluster's session imports
 
 
 #: one daemon per process: these span its sessions, so that many connections of one peer share them
 _FAILURE_LOG = LogBudget()  # refused requests: a few lines per peer every few seconds, the rest counted
 _AUTH_BACKOFF = AuthBackoff()
-Handler = Callable[[int, dict], Awaitable[dict | None]]  # (request id, validated fields) -> reply or None
+#: (request id, validated fields) -> reply, or None when the handler sent its reply itself
+Handler = Callable[[int, dict[str, Any]], Awaitable[dict[str, Any] | None]]
+_Closed = Closed
 
 
-class _Closed(Exception):
-    """The peer went away (or framing broke): end the session."""
-
-
-class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
+class Session:
     def __init__(self, ctx: DaemonContext, sock: socket.socket, peer: str):
         self.ctx, self.sock, self.peer = ctx, sock, peer
-        self.master, self.segments, self.metrics = ctx.master, ctx.segments, ctx.metrics
-        self._handlers = self.handlers()
         self.loop = asyncio.get_running_loop()
         self.client: int | None = None
         self.name = ""
         self.transport = "none"
         self.client_host = ""
-        self._buf = bytearray(4 + wire.MAX_PREAUTH_FRAME)  # grows once authenticated
-        self._start = self._end = 0
         self.busy = False
         self._unread_payload = False
         self.cred = peer_cred(sock)  # Unix sockets: the peer's pid and uid, from the kernel
         self.peer_key = f"uid:{self.cred.uid}" if self.cred is not None else peer.rsplit(":", 1)[0]
         self.handshake = Handshake(ctx.config.token, ctx.node_id, local=self.cred is not None)
+        self._auth = AuthDeadline(self.loop, self._auth_expired)
         self._watch: PidWatch | None = None  # the client's process, once it authenticates on a mapping transport
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._refused = 0  # requests refused with a typed error
+        self.conn = Connection(self.loop, sock, peer, self._bytes_out)
+        self.frames = FrameOps(self.conn)
+        self.ucx = UcxOps(self)
+        self.gpu = GpuOps(self)
+        self.arena = ArenaOps(self, self.ucx)
+        disk = getattr(ctx, "disk", None)
+        self.disk = DiskOps(self, disk, get=self.op_get, lease=self.op_lease, inspect=self.op_inspect) \
+            if disk is not None else None
+        self._handlers = self.handlers()
 
-    # ---- framing ------------------------------------------------------------------------------------
-    async def _fill(self, n: int) -> None:
-        """Make at least ``n`` unread bytes available in the buffer."""
-        if self._end - self._start >= n:
-            return
-        if len(self._buf) - self._start < n:
-            keep = self._buf[self._start:self._end]
-            if len(self._buf) < n:
-                self._buf = bytearray(max(n, 2 * len(self._buf)))
-            self._buf[:len(keep)] = keep
-            self._start, self._end = 0, len(keep)
-        view = memoryview(self._buf)
-        while self._end - self._start < n:
-            got = await self.loop.sock_recv_into(self.sock, view[self._end:])
-            if got == 0:
-                raise _Closed("truncated frame" if self._end > self._start else "")
-            self._end += got
+    # ---- what the op groups see of the daemon (SessionContext) -----------------------------------------
+    @property
+    def master(self) -> Master:
+        return self.ctx.master
 
-    async def _read_frame(self) -> dict | None:
-        try:
-            await self._fill(4)
-        except _Closed as exc:
-            if str(exc):
-                raise
-            return None  # clean end of stream between frames
-        limit = wire.MAX_FRAME if self.client is not None else wire.MAX_PREAUTH_FRAME
-        n = wire.frame_length(self._buf[self._start:self._start + 4], limit)
-        await self._fill(4 + n)
-        body = memoryview(self._buf)[self._start + 4:self._start + 4 + n]
-        self._start += 4 + n
-        try:
-            return wire.decode(body)
-        finally:
-            body.release()
+    @property
+    def segments(self) -> SegmentSet:
+        return self.ctx.segments
 
-    async def _read_into(self, view: memoryview, hasher: xxhash.xxh3_64 | None = None) -> None:
-        """Receive exactly len(view) payload bytes: buffered ones first, then straight from the socket. With
-        ``hasher``, each piece is hashed right after it lands, while it is still in cache (no second pass)."""
-        take = min(len(view), self._end - self._start)
-        view[:take] = self._buf[self._start:self._start + take]
-        self._start += take
-        got = take
-        if hasher is not None and take:
-            hasher.update(view[:take])
-        self.transfer_begins()
-        try:
-            while got < len(view):
-                piece = view[got:got + _HASH_PIECE] if hasher is not None else view[got:]
-                n = await self.loop.sock_recv_into(self.sock, piece)
-                if n == 0:
-                    raise _Closed(f"peer closed after {got} of {len(view)} payload bytes")
-                if hasher is not None:
-                    hasher.update(view[got:got + n])
-                got += n
-                self.transfer_moved()
-        finally:
-            self.transfer_ends()
+    @property
+    def metrics(self) -> Metrics:
+        return self.ctx.metrics
 
-    async def _skip(self, n: int) -> None:
-        scratch = memoryview(bytearray(min(n, 1 << 20)))
-        while n > 0:
-            chunk = scratch[:min(n, len(scratch))]
-            await self._read_into(chunk)
-            n -= len(chunk)
+    def _bytes_out(self, n: int) -> None:
+        self.ctx.metrics.bytes_out(n)
 
-    async def _send(self, message: dict, payload: memoryview | None = None) -> None:
-        frame = wire.encode(message)
-        if payload is not None:
-            self.metrics.bytes_out(len(payload))
-            if len(payload) <= _INLINE_REPLY:
-                frame += payload
-                payload = None
-        await self.loop.sock_sendall(self.sock, frame)
-        if payload is not None:
-            await self.send_payload(payload)
+    @property
+    def data_path(self) -> str:
+        """How this client's payloads move, for stats and ``kvstore stats``."""
+        return self.ucx.data_path
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds the running payload transfer has gone without a byte moving (0 when none runs)."""
+        return self.conn.clock.stalled_for(now)
+
+    # ---- authentication deadline ----------------------------------------------------------------------
+    def _auth_expired(self, seconds: float) -> None:
+        if self.client is None:
+            log.warning("client %s did not authenticate within %.1f s (--auth-timeout); closing connection",
+                        self.peer, seconds)
+            self.close()
+
+    async def _send(self, message: dict[str, Any], payload: memoryview | None = None) -> None:
+        await self.conn.send(message, payload)
 
     # ---- loop ---------------------------------------------------------------------------------------
     async def run(self) -> None:
         self._task = asyncio.current_task()
-        self.start_auth_deadline(self.ctx.config.auth_timeout)
+        self._auth.start(self.ctx.config.auth_timeout)
         try:
             while not self.ctx.draining:
                 try:
-                    message = await self._read_frame()
+                    message = await self.conn.read_frame(
+                        wire.MAX_FRAME if self.client is not None else wire.MAX_PREAUTH_FRAME)
                 except ProtocolError as exc:  # oversized frame: the stream cannot be resynchronised
                     log.warning("client %s: %s; closing connection", self.peer, exc)
                     await self._send(wire.error_reply(0, exc))
@@ -193,10 +161,10 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
         if self._closed:
             return
         self._closed = True
-        self.cancel_auth_deadline()
+        self._auth.cancel()
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()  # first: the daemon's own stream copy stops before its space can be reused
-        self._close_data()  # cancel UCX transfers into segment memory before their space is freed
+        self.ucx.close_data()  # cancel UCX transfers into segment memory before their space is freed
         if self.client is not None:
             puts, leases = self.ctx.quarantine.revoke(self.client, self._watch, self.transport in MAPS_MEMORY,
                                                       self.peer)
@@ -213,10 +181,11 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
         except OSError:
             pass
 
-    async def _dispatch(self, message: dict) -> None:
+    async def _dispatch(self, message: dict[str, Any]) -> None:
         started = time.perf_counter()
-        rid = message.get("id") if isinstance(message.get("id"), int) else 0
-        op = message.get("op") if isinstance(message.get("op"), str) else "?"
+        raw_id, raw_op = message.get("id"), message.get("op")
+        rid = raw_id if isinstance(raw_id, int) else 0
+        op = raw_op if isinstance(raw_op, str) else "?"
         self._unread_payload = op == "put" and message.get("mode") == "stream"
         try:
             op, rid, fields = wire.validate(message)
@@ -246,7 +215,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
                 log.warning("client %s op %s: reply not sent: %s", self.peer, op, exc)
                 await self._send(wire.error_reply(rid, exc))
 
-    async def _refuse(self, rid: int, op: str, message: dict, exc: KVStoreError) -> dict:
+    async def _refuse(self, rid: int, op: str, message: dict[str, Any], exc: KVStoreError) -> dict[str, Any]:
         """The error reply of a refused request, logged within the peer's budget (a session's first refusal
         always; then a few a peer every few seconds, the rest counted). A refused hello token is answered after
         the peer's back-off, and an authentication failure ends the session."""
@@ -267,7 +236,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
             raise _Closed("authentication failed") from None
         return reply
 
-    async def _drain_put(self, message: dict, exc: Exception) -> None:
+    async def _drain_put(self, message: dict[str, Any], exc: Exception) -> None:
         """A refused stream put still has its payload in flight: skip it, or close if it cannot be trusted."""
         self._unread_payload = False
         size = message.get("size")
@@ -278,38 +247,38 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
             raise _Closed(f"refused a streamed put ({exc}); payload cannot be skipped safely")
         if message.get("compress") in compression.CODECS and size >= compression.MIN_SIZE:
             try:
-                await self.skip_frames(size)  # a compressed payload: as frames, whose lengths only they know
+                await self.frames.skip_frames(size)  # a compressed payload: as frames, whose lengths only they know
             except ProtocolError as bad:
                 raise _Closed(f"refused a compressed put ({exc}) whose frames cannot be skipped: {bad}") from None
         else:
-            await self._skip(size)
+            await self.conn.skip(size)
 
-    def _ok(self, rid: int, **fields: Any) -> dict:
-        return {"v": wire.VERSION, "id": rid, "ok": True, **fields}
+    def _ok(self, rid: int, **fields: Any) -> dict[str, Any]:
+        return wire.ok_reply(rid, **fields)
 
     # ---- ops ----------------------------------------------------------------------------------------
     def handlers(self) -> dict[str, Handler]:
         """The ops this session serves, each with its handler. Every op's fields are declared in
         ``kvstore.protocol.wire.SCHEMA``; an op declared there but absent here gets a ProtocolError."""
-        table = {
+        table: dict[str, Handler] = {
             "challenge": self.op_challenge, "hello": self.op_hello, "ping": self.op_ping, "put": self.op_put,
             "commit": self.op_commit,
             "commit_many": self.op_commit_many, "abort": self.op_abort, "get": self.op_get,
             "release": self.op_release, "lease": self.op_lease, "exists": self.op_exists,
             "batch_exists": self.op_batch_exists, "evict": self.op_evict, "remove": self.op_remove,
             "inspect": self.op_inspect, "stats": self.op_stats, "ls": self.op_ls, "wait": self.op_wait,
-            # the GPU data path (kvstore.daemon.gpu_ops) and the UCX data path (kvstore.daemon.ucx_ops)
-            "cuda_segments": self.op_cuda_segments, "cuda_put": self.op_cuda_put, "cuda_get": self.op_cuda_get,
-            "ucx_connect": self.op_ucx_connect, "ucx_claim": self.op_ucx_claim,
         }
-        table.update(self.arena_handlers())  # same-host clients' arenas (arena_ops)
-        table.update(self.disk_handlers())  # with --disk-path: the read ops also look on disk (disk_ops)
+        table.update(self.gpu.handlers())  # the GPU data path (kvstore.daemon.gpu_ops)
+        table.update(self.ucx.handlers())  # the UCX data path (kvstore.daemon.ucx_ops)
+        table.update(self.arena.handlers())  # same-host clients' arenas (arena_ops)
+        if self.disk is not None:
+            table.update(self.disk.handlers())  # with --disk-path: the read ops also look on disk (disk_ops)
         return table
 
-    async def op_challenge(self, rid: int, f: dict) -> dict:
+    async def op_challenge(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         return self._ok(rid, **self.handshake.challenge(f["nonce"]))
 
-    async def op_hello(self, rid: int, f: dict) -> dict:
+    async def op_hello(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         server = self.ctx
         self.handshake.check_hello(f)
         host = await self._verified_host(f["host"])
@@ -319,13 +288,11 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
                                        f"{transport}; open a new connection")
         self.transport, self.client_host = transport, host
         if self.client is None:
-            self.cancel_auth_deadline()
+            self._auth.cancel()
             if self.transport in MAPS_MEMORY:  # _verified_host made sure the pid is known
-                self._watch = PidWatch(self.cred.pid)  # watched from now: a recycled pid is never mistaken for it
+                self._watch = PidWatch(self._known_pid())  # watched from now: a recycled pid is never mistaken for it
             self.client = server.master.register_client(f["client"], peer=self._quota_peer())
-            if len(self._buf) < _BUFFER:  # authenticated: the full-size buffer
-                self._buf = self._buf[self._start:self._end] + bytearray(_BUFFER - (self._end - self._start))
-                self._start, self._end = 0, self._end - self._start
+            self.conn.authenticated()  # the full-size buffer
         self.name = f["client"] or self.peer
         return self._ok(rid, client_id=self.client, transport=self.transport, host=server.host_id,
                         segments=server.segments.describe(), index=server.index_info(),
@@ -351,25 +318,30 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
             return f"uid {self.cred.uid} pid {self.cred.pid}"
         return self.peer_key
 
-    async def op_ping(self, rid: int, f: dict) -> dict:
+    def _known_pid(self) -> int:
+        if self.cred is None or self.cred.pid is None:
+            raise AuthenticationError(f"client {self.peer}: its process is not known, so it cannot map memory")
+        return self.cred.pid
+
+    async def op_ping(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         return self._ok(rid)
 
-    async def op_put(self, rid: int, f: dict) -> dict:
+    async def op_put(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         meta = ObjectMeta.from_wire(f["meta"])
         if meta.key != f["key"] or meta.size != f["size"]:
             raise InvalidArgumentError(f"put of {f['key']!r}: meta names key {meta.key!r} size {meta.size}, "
                                        f"request says size {f['size']}")
         if f["mode"] == "region":
-            self._require_shm()  # before anything is reserved
+            self.require_shm()  # before anything is reserved
         if f["checksum"] is not None:
             meta = replace(meta, checksum=f["checksum"])
         master = self.master
-        replica = master.begin_put(meta, self.client, if_absent=f["if_absent"], pin=f["pin"],
+        replica = master.begin_put(meta, client_of(self), if_absent=f["if_absent"], pin=f["pin"],
                                    ephemeral=f["ephemeral"])
         if f["mode"] == "region":
             return self._ok(rid, put_id=replica.id, segment=replica.segment, offset=replica.offset)
         if f["mode"] == "ucx":
-            return self._ucx_put_reply(rid, replica)
+            return self.ucx.put_reply(rid, replica)
         hasher = xxhash.xxh3_64()
         try:
             region = self.segments[replica.segment].view(replica.offset, meta.size)
@@ -377,7 +349,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
             if f["compress"] is not None and meta.size >= compression.MIN_SIZE:
                 await self._frames_in(region, hasher)
             else:
-                await self._read_into(region, hasher)
+                await self.conn.read_into(region, hasher)
             region.release()
             checksum = hasher.intdigest()
             if f["checksum"] is not None and f["checksum"] != checksum:
@@ -393,101 +365,101 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
             return self._ok(rid, put_id=replica.id, checksum=checksum)
         return self._committed(rid, master.commit(replica.id, checksum), checksum=checksum)
 
-    async def op_commit(self, rid: int, f: dict) -> dict:
+    async def op_commit(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         master = self.master
         replica = master.pending(f["put_id"])
         if replica.client != self.client:
             raise InvalidArgumentError(f"put {f['put_id']} belongs to another client")
-        await self._landed([f["put_id"]])
+        await self.ucx.landed([f["put_id"]])
         self.metrics.bytes_in(replica.size)
         return self._committed(rid, master.commit(f["put_id"], f["checksum"]))
 
-    async def op_commit_many(self, rid: int, f: dict) -> dict:
+    async def op_commit_many(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         master = self.master
         for pid in f["put_ids"]:
             if master.pending(pid).client != self.client:
                 raise InvalidArgumentError(f"put {pid} belongs to another client")
-        await self._landed(f["put_ids"])
+        await self.ucx.landed(f["put_ids"])
         replicas = master.commit_many(f["put_ids"], f["checksums"])
         return self._ok(rid, versions=[r.meta.version for r in replicas], created=[r.meta.created for r in replicas])
 
-    def _committed(self, rid: int, replica, **fields: Any) -> dict:
+    def _committed(self, rid: int, replica: Replica, **fields: Any) -> dict[str, Any]:
         return self._ok(rid, version=replica.meta.version, created=replica.meta.created, **fields)
 
-    async def op_abort(self, rid: int, f: dict) -> dict:
+    async def op_abort(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         if self.master.pending(f["put_id"]).client != self.client:
             raise InvalidArgumentError(f"put {f['put_id']} belongs to another client")
-        self._cancel_landing(f["put_id"])
+        self.ucx.cancel_landing(f["put_id"])
         self.master.abort(f["put_id"])
         return self._ok(rid)
 
-    async def op_get(self, rid: int, f: dict) -> dict | None:
+    async def op_get(self, rid: int, f: dict[str, Any]) -> dict[str, Any] | None:
         master = self.master
         if f["mode"] == "region":
-            self._require_shm()  # before the lease is taken
-        lease = master.lease(f["key"], self.client)
+            self.require_shm()  # before the lease is taken
+        lease = master.lease(f["key"], client_of(self))
         replica = lease.replica
-        if self._on_gpu(replica):  # these paths cannot map GPU memory: the daemon copies it to the host
-            return await self._staged_get(rid, f, lease)
+        if self.gpu.on_gpu(replica):  # these paths cannot map GPU memory: the daemon copies it to the host
+            return await self.gpu.staged_get(rid, f, lease)
         if f["mode"] == "region":
             return self._ok(rid, meta=replica.meta.to_wire(), segment=replica.segment, offset=replica.offset,
                             size=replica.size, lease=lease.id)
-        if f["mode"] == "ucx" and replica.size > _INLINE_REPLY:
-            return self._ucx_get_reply(rid, lease)
+        if f["mode"] == "ucx" and replica.size > INLINE_REPLY:
+            return self.ucx.get_reply(rid, lease)
         try:
             region = self.segments[replica.segment].view(replica.offset, replica.size)
-            await self.send_object(rid, replica.meta.to_wire(), region, f["compress"])
+            await self.frames.send_object(rid, replica.meta.to_wire(), region, f["compress"])
             region.release()
         finally:
             if self.client is not None:
                 master.release(lease.id)
         return None
 
-    async def _frames_in(self, region: memoryview, hasher) -> None:
+    async def _frames_in(self, region: memoryview, hasher: xxhash.xxh3_64) -> None:
         try:
-            await self.read_frames_into(region, hasher)
+            await self.frames.read_frames_into(region, hasher)
         except ProtocolError as exc:  # a bad frame header: the stream cannot be resynchronised
             await self._send(wire.error_reply(0, exc))
             raise _Closed(f"refused a compressed put: {exc}") from None
 
-    async def op_release(self, rid: int, f: dict) -> dict:
+    async def op_release(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         self.master.release(f["lease"], client=self.client)
-        self._drop_staging(f["lease"])
+        self.gpu.drop_staging(f["lease"])
         return self._ok(rid)
 
-    async def op_lease(self, rid: int, f: dict) -> dict:
-        lease = self.master.lease(f["key"], self.client)
+    async def op_lease(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
+        lease = self.master.lease(f["key"], client_of(self))
         return self._ok(rid, lease=lease.id, meta=lease.replica.meta.to_wire())
 
-    async def op_exists(self, rid: int, f: dict) -> dict:
+    async def op_exists(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         return self._ok(rid, value=self.master.exists(f["key"]))
 
-    async def op_batch_exists(self, rid: int, f: dict) -> dict:
+    async def op_batch_exists(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         return self._ok(rid, value=[self.master.exists(k) for k in f["keys"]])
 
-    async def op_evict(self, rid: int, f: dict) -> dict:
+    async def op_evict(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         return self._ok(rid, value=self.master.evict(f["key"]))
 
-    async def op_remove(self, rid: int, f: dict) -> dict:
+    async def op_remove(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         return self._ok(rid, value=self.master.remove(f["key"]))
 
-    async def op_inspect(self, rid: int, f: dict) -> dict:
+    async def op_inspect(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         master = self.master
         replica = master.lookup(f["key"])
         return self._ok(rid, value={**describe_replica(replica, master.clock()), "tier": master.tier_of(replica).value})
 
-    async def op_stats(self, rid: int, f: dict) -> dict:
+    async def op_stats(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         return self._ok(rid, value=self.ctx.stats())
 
-    async def op_ls(self, rid: int, f: dict) -> dict:
+    async def op_ls(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         keys = self.master.keys(f["prefix"])
         page, more = wire.page_of_keys(keys, f["after"], f["limit"])
         return self._ok(rid, value=page, total=len(keys), more=more)
 
-    async def op_wait(self, rid: int, f: dict) -> dict:
+    async def op_wait(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         # watch the connection meanwhile: a client gone mid-wait frees its session at once
-        return self._ok(rid, value=await self.watching_peer(self.ctx.wait_for(f["keys"], f["timeout"])))
+        return self._ok(rid, value=await self.conn.watching_peer(self.ctx.wait_for(f["keys"], f["timeout"])))
 
-    def _require_shm(self) -> None:
+    def require_shm(self) -> None:
         if self.transport not in ("shm", "cuda_ipc"):  # both map the daemon's shared memory
             raise TransportError(f"region mode needs the shm transport; this connection uses {self.transport}")

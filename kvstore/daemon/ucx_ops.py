@@ -1,4 +1,5 @@
-"""UcxOps: the daemon-session side of the ``ucx`` data path (a mixin of :class:`kvstore.daemon.session.Session`).
+"""UcxOps: the daemon-session side of the ``ucx`` data path (a handler object that a
+:class:`~kvstore.daemon.session.Session` owns).
 
 ``ucx_connect`` / ``ucx_claim`` bind a UCX endpoint to the session; ``put``/``get`` with ``mode="ucx"`` post a
 tagged receive into / send from the object's region through it (see :mod:`kvstore.transports.ucx` for the protocol).
@@ -12,19 +13,24 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstore.errors import KVStoreError, TransportError
 from kvstore.protocol.url import Endpoint
+from kvstore.protocol.wire import ok_reply
 from kvstore.transports.base import TransportFailure
 
 if TYPE_CHECKING:
     from kvstore.core.master import Lease, Replica
+    from kvstore.daemon.context import SessionContext
+    from kvstore.daemon.session import Handler
     from kvstore.transports.ucx_server import UcxDataServer, UcxPeer
 
 log = logging.getLogger("kvstore.daemon.server")
 #: a commit waits at most this long for the bytes its client says it has sent
 LANDING_TIMEOUT = 10.0
+T = TypeVar("T")
 
 
 def start_ucx(endpoint: Endpoint, loop: asyncio.AbstractEventLoop) -> UcxDataServer:
@@ -41,69 +47,72 @@ def start_ucx(endpoint: Endpoint, loop: asyncio.AbstractEventLoop) -> UcxDataSer
 
 
 class UcxOps:
-    """Session mixin. Expects ``ctx``, ``master``, ``segments``, ``sock``, ``client``, ``transport``, ``client_host``
-    and ``_ok``."""
+    """``ucx_connect``, ``ucx_claim``, and the UCX side of the session's ``put`` / ``get`` / ``commit`` /
+    ``abort`` in ``mode="ucx"``."""
 
-    data_peer: UcxPeer | None = None
-    _landing: dict[int, tuple[int, asyncio.Future]] | None = None  # put id -> (tag, payload landed)
+    def __init__(self, session: SessionContext):
+        self.s = session
+        self.data_peer: UcxPeer | None = None
+        self._landing: dict[int, tuple[int, asyncio.Future[Any]]] = {}  # put id -> (tag, payload landed)
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"ucx_connect": self.op_ucx_connect, "ucx_claim": self.op_ucx_claim}
 
     @property
     def data_path(self) -> str:
         """How this client's payloads move, for stats and ``kvstore stats``."""
-        if self.transport != "ucx":
-            return self.transport
+        if self.s.transport != "ucx":
+            return self.s.transport
         return self.data_peer.describe() if self.data_peer is not None else "ucx (not connected yet)"
 
     # ---- ops ----------------------------------------------------------------------------------------
-    async def op_ucx_connect(self, rid: int, f: dict) -> dict:
+    async def op_ucx_connect(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         ucx = self._ucx_server()
-        self._close_data()
-        same_host = self.client_host == self.ctx.host_id
+        self.close_data()
+        same_host = self.s.client_host == self.s.ctx.host_id
         via = f["via"] if f["via"] != "auto" else ("address" if same_host else "listener")
         if via == "address":
-            self.data_peer = self._ucx(lambda: ucx.connect(f["address"], error_handling=not same_host))
-            return self._ok(rid, via="address", address=ucx.address, error_handling=not same_host)
-        return self._ok(rid, via="listener", host=self._listener_host(ucx.host), port=ucx.port)
+            self.data_peer = _ucx(lambda: ucx.connect(f["address"], error_handling=not same_host))
+            return ok_reply(rid, via="address", address=ucx.address, error_handling=not same_host)
+        return ok_reply(rid, via="listener", host=self._listener_host(ucx.host), port=ucx.port)
 
-    async def op_ucx_claim(self, rid: int, f: dict) -> dict:
+    async def op_ucx_claim(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         ucx = self._ucx_server()
-        self._close_data()
-        self.data_peer = self._ucx(lambda: ucx.claim(f["conn"]))
-        return self._ok(rid)
+        self.close_data()
+        self.data_peer = _ucx(lambda: ucx.claim(f["conn"]))
+        return ok_reply(rid)
 
-    # ---- put / get / commit hooks (called from Session) ---------------------------------------------
-    def _ucx_put_reply(self, rid: int, replica: Replica) -> dict:
+    # ---- put / get / commit hooks (called from the session's ops) -------------------------------------
+    def put_reply(self, rid: int, replica: Replica) -> dict[str, Any]:
         """The region is allocated: post the receive into it and tell the client which tag to send with."""
         try:
             peer = self._peer()
-            region = self.segments[replica.segment].view(replica.offset, replica.size)
-            tag, landed = self._ucx(lambda: peer.receive(region))
+            region = self.s.segments[replica.segment].view(replica.offset, replica.size)
+            tag, landed = _ucx(lambda: peer.receive(region))
         except BaseException:
-            self.master.abort(replica.id)
+            self.s.master.abort(replica.id)
             raise
-        if self._landing is None:
-            self._landing = {}
         self._landing[replica.id] = (tag, landed)
-        return self._ok(rid, put_id=replica.id, tag=tag)
+        return ok_reply(rid, put_id=replica.id, tag=tag)
 
-    def _ucx_get_reply(self, rid: int, lease: Lease) -> dict:
+    def get_reply(self, rid: int, lease: Lease) -> dict[str, Any]:
         """The object is leased: post the send from its region; the lease goes when the send completes."""
         replica = lease.replica
         try:
             peer = self._peer()
-            region = self.segments[replica.segment].view(replica.offset, replica.size)
-            tag, sent = self._ucx(lambda: peer.send(region))
+            region = self.s.segments[replica.segment].view(replica.offset, replica.size)
+            tag, sent = _ucx(lambda: peer.send(region))
         except BaseException:
             self._release_quietly(lease.id)
             raise
         sent.add_done_callback(lambda _: self._release_quietly(lease.id))
-        return self._ok(rid, meta=replica.meta.to_wire(), size=replica.size, tag=tag)
+        return ok_reply(rid, meta=replica.meta.to_wire(), size=replica.size, tag=tag)
 
-    async def _landed(self, put_ids: list[int]) -> None:
+    async def landed(self, put_ids: list[int]) -> None:
         """Wait until the UCX payloads of ``put_ids`` (if any went by UCX) arrived whole; a put whose bytes
         did not arrive is aborted (never visible) and the commit fails with TransportError."""
         for put_id in put_ids:
-            tag, landed = (self._landing or {}).pop(put_id, (0, None))
+            tag, landed = self._landing.pop(put_id, (0, None))
             if landed is None:
                 continue
             try:
@@ -111,48 +120,49 @@ class UcxOps:
             except (TransportFailure, asyncio.TimeoutError) as exc:
                 self._stop_receiving(tag, landed)
                 try:
-                    self.master.abort(put_id)
+                    self.s.master.abort(put_id)
                 except KVStoreError:
                     pass  # revoked meanwhile
                 reason = str(exc) or f"nothing arrived within {LANDING_TIMEOUT:g} s"
                 raise TransportError(f"put {put_id} aborted: its payload did not arrive ({reason})") from None
 
-    def _cancel_landing(self, put_id: int) -> None:
+    def cancel_landing(self, put_id: int) -> None:
         """The client aborts a put: a receive still posted into its region must not outlive the region."""
-        tag, landed = (self._landing or {}).pop(put_id, (0, None))
+        tag, landed = self._landing.pop(put_id, (0, None))
         if landed is not None:
             self._stop_receiving(tag, landed)
 
-    def _stop_receiving(self, tag: int, landed: asyncio.Future) -> None:
+    def _stop_receiving(self, tag: int, landed: asyncio.Future[Any]) -> None:
         """Nothing may write into a put's region once it is aborted: drop the expectation, or, if the
         receive is posted already, close the endpoint (ucxx has no per-request cancel; the client
         reconnects on its next transfer)."""
         peer = self.data_peer
         if not landed.done() and peer is not None and not peer.abandon(tag):
-            self._close_data()
+            self.close_data()
 
-    def _close_data(self) -> None:
+    def close_data(self) -> None:
         """Close the endpoint (cancelling what is posted on it) and abort every UCX put whose payload had
         not landed whole: its receive is gone, so it can never be committed."""
         peer, self.data_peer = self.data_peer, None
         if peer is not None:
             peer.close()
-        for put_id, (_, landed) in list((self._landing or {}).items()):
+        for put_id, (_, landed) in list(self._landing.items()):
             if landed.done() and not landed.cancelled() and landed.exception() is None:
                 continue
             del self._landing[put_id]
             try:
-                self.master.abort(put_id)
+                self.s.master.abort(put_id)
             except KVStoreError:
                 pass  # already aborted or revoked
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _ucx_server(self) -> UcxDataServer:
-        if self.transport != "ucx":
-            raise TransportError(f"ucx ops need the ucx transport; this connection uses {self.transport}")
-        if self.ctx.ucx is None:
+        if self.s.transport != "ucx":
+            raise TransportError(f"ucx ops need the ucx transport; this connection uses {self.s.transport}")
+        ucx: UcxDataServer | None = self.s.ctx.ucx
+        if ucx is None:
             raise TransportError("this daemon serves no UCX endpoint (start it with --listen ucx://host:port)")
-        return self.ctx.ucx
+        return ucx
 
     def _peer(self) -> UcxPeer:
         self._ucx_server()
@@ -160,18 +170,11 @@ class UcxOps:
             raise TransportError("no UCX endpoint on this connection: send ucx_connect first")
         return self.data_peer
 
-    @staticmethod
-    def _ucx(fn) -> Any:
-        try:
-            return fn()
-        except TransportFailure as exc:
-            raise TransportError(str(exc)) from None
-
     def _release_quietly(self, lease_id: int) -> None:
-        if self.client is None:
+        if self.s.client is None:
             return  # the session closed: the master already released this client's leases
         try:
-            self.master.release(lease_id)
+            self.s.master.release(lease_id)
         except KVStoreError:
             pass
 
@@ -185,6 +188,13 @@ class UcxOps:
         if not wildcard:
             return host
         try:
-            return self.sock.getsockname()[0]
+            return str(self.s.sock.getsockname()[0])
         except (OSError, TypeError, IndexError):
             return "127.0.0.1"
+
+
+def _ucx(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except TransportFailure as exc:
+        raise TransportError(str(exc)) from None

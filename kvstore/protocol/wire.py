@@ -88,7 +88,7 @@ def page_of_keys(keys: list[str], after: str, limit: int) -> tuple[list[str], bo
     return keys[start:end], end < stop
 
 
-def frame_length(header: bytes | memoryview, limit: int = MAX_FRAME) -> int:
+def frame_length(header: bytes | bytearray | memoryview, limit: int = MAX_FRAME) -> int:
     """The body length a frame header announces; ProtocolError above ``limit`` (``MAX_PREAUTH_FRAME``
     before authentication)."""
     n: int = LENGTH.unpack(header)[0]
@@ -343,6 +343,11 @@ def validate(message: dict[str, Any]) -> tuple[str, int, dict[str, Any]]:
     return op, rid, fields
 
 
+def ok_reply(rid: int, **fields: Any) -> dict[str, Any]:
+    """The reply to request ``rid`` that succeeded, with ``fields``."""
+    return {"v": VERSION, "id": rid, "ok": True, **fields}
+
+
 def error_reply(rid: int, exc: Exception) -> dict[str, Any]:
     reply = {"v": VERSION, "id": rid, "ok": False, "error": getattr(exc, "code", "Server"), "message": str(exc)}
     needed = getattr(exc, "needed", None)
@@ -354,4 +359,4 @@ def error_reply(rid: int, exc: Exception) -> dict[str, Any]:
 __all__ = ["VERSION", "MAX_FRAME", "MAX_PREAUTH_FRAME", "PREAUTH_OPS", "DecodeLimits", "REQUEST_LIMITS",
            "REPLY_LIMITS",
            "MAX_KEY_BYTES", "encode", "decode", "frame_length", "validate",
-           "error_reply", "InvalidKeyError"]
+           "ok_reply", "error_reply", "InvalidKeyError"]

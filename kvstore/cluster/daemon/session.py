@@ -26,7 +26,8 @@ class ClusterSession(Session):
     ctx: ClusterContext
 
     def handlers(self) -> dict[str, Handler]:
-        return {**super().handlers(), "peer_get": self.op_peer_get, "peer_evict": self.op_peer_evict}
+        return {**super().handlers(), "arena_commit": self.op_arena_commit, "cuda_get": self.op_cuda_get,
+                "peer_get": self.op_peer_get, "peer_evict": self.op_peer_evict}
 
     async def op_hello(self, rid: int, f: dict) -> dict:
         reply = await super().op_hello(rid, f)
@@ -69,14 +70,14 @@ class ClusterSession(Session):
             taken = next((k for k, v in (found or {}).items() if v), None)
             if taken is not None:
                 raise KeyExistsError(f"key {taken!r} already exists on node {found[taken][0].node}")
-        return await self._synced(await super().op_arena_commit(rid, f))
+        return await self._synced(await self.arena.op_arena_commit(rid, f))
 
     # ---- reads --------------------------------------------------------------------------------------
     async def op_get(self, rid: int, f: dict) -> dict | None:
         if self.ctx.local(f["key"]):
             return await super().op_get(rid, f)
         if f["mode"] == "region":
-            self._require_shm()  # before moving any bytes
+            self.require_shm()  # before moving any bytes
         lease, meta = await self.ctx.remote.fetch(f["key"], self.client)
         return await self._serve_lease(rid, f["mode"], lease, meta)
 
@@ -91,7 +92,7 @@ class ClusterSession(Session):
             return self._ok(rid, meta=meta.to_wire(), segment=replica.segment, offset=replica.offset, size=meta.size,
                             lease=lease.id)
         if mode == "ucx" and meta.size > _INLINE_REPLY:
-            return self._ucx_get_reply(rid, lease)  # the scratch replica carries the object's own meta
+            return self.ucx.get_reply(rid, lease)  # the scratch replica carries the object's own meta
         try:
             region = self.segments[replica.segment].view(replica.offset, meta.size)
             await self._send(self._ok(rid, meta=meta.to_wire(), stream=meta.size), region)
@@ -104,8 +105,8 @@ class ClusterSession(Session):
     async def op_cuda_get(self, rid: int, f: dict) -> dict:
         """A cuda_ipc client's get: another node's key arrives in a host scratch region it copies from."""
         if self.ctx.local(f["key"]):
-            return await super().op_cuda_get(rid, f)
-        self._gpu()  # before any bytes move
+            return await self.gpu.op_cuda_get(rid, f)
+        self.gpu.require_gpu()  # before any bytes move
         lease, meta = await self.ctx.remote.fetch(f["key"], self.client)
         r = lease.replica
         return self._ok(rid, meta=meta.to_wire(), segment=r.segment, offset=r.offset, size=meta.size, lease=lease.id,
