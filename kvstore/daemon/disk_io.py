@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from kvstore.core.master import Master, Replica, Tier
 from kvstore.core.meta import ObjectMeta
@@ -28,15 +29,14 @@ class DiskService:
         self.tiering = Tiering(self.disk, self._view, write_through=config.policy is DiskPolicy.WRITE_THROUGH)
         self.master: Master | None = None
         self.client = 0
-        self._inflight: dict[str, asyncio.Future] = {}
+        self._inflight: dict[str, asyncio.Future[bool]] = {}
 
     def attach(self, master: Master) -> None:
         self.master = master
         self.client = master.register_client("disk-tier")
-        self._is_host = lambda r: master.tier_of(r) is Tier.HOST
 
     def _view(self, replica: Replica) -> memoryview | None:
-        if self.master is None or not self._is_host(replica):
+        if self.master is None or self.master.tier_of(replica) is not Tier.HOST:
             return None
         return self.segments[replica.segment].view(replica.offset, replica.size)
 
@@ -79,7 +79,7 @@ class DiskService:
         return done
 
     async def _promote(self, key: str) -> bool:
-        master = self.master
+        master = self._attached()
         obj = self.lookup(key)
         meta = promotion_meta(obj.meta)
         master.heartbeat(self.client)
@@ -110,7 +110,12 @@ class DiskService:
         return True
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def _attached(self) -> Master:
+        if self.master is None:
+            raise RuntimeError("the disk service is not attached to a master yet (attach() first)")
+        return self.master
+
+    def stats(self) -> dict[str, Any]:
         return self.tiering.stats()
 
     def close(self, timeout: float) -> None:

@@ -14,6 +14,7 @@ daemon's is refused: a record advertising another node's address must not receiv
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from kvstore.errors import AuthenticationError
 from kvstore.protocol import credentials
@@ -26,7 +27,7 @@ class Handshake:
         self.token, self.node, self.local = token, node, local
         self._nonces: tuple[bytes, bytes] | None = None
 
-    def challenge(self, client_nonce: bytes) -> dict:
+    def challenge(self, client_nonce: bytes) -> dict[str, Any]:
         """The reply fields to a ``challenge``: our nonce, node id, and proof (None when we have no token)."""
         server_nonce = credentials.new_nonce()
         self._nonces = (client_nonce, server_nonce)
@@ -34,7 +35,7 @@ class Handshake:
                                                                   server_nonce, self.node)
         return {"nonce": server_nonce, "node": self.node, "proof": proof}
 
-    def check_hello(self, fields: dict) -> None:
+    def check_hello(self, fields: dict[str, Any]) -> None:
         """AuthenticationError unless the hello's credentials are good for this daemon."""
         nonces, self._nonces = self._nonces, None  # one proof per challenge: never replayable
         expected = fields["node"]

@@ -88,7 +88,7 @@ class LogBudget:
 
     def __init__(self, burst: int = 10, every: float = 5.0):
         self.burst, self.every = burst, every
-        self._windows: dict[str, list] = {}  # key -> [window start, lines logged in it, lines held back]
+        self._windows: dict[str, list[float]] = {}  # key -> [window start, lines logged in it, lines held back]
         self.held_back = 0
 
     def take(self, key: str) -> int | None:
@@ -96,14 +96,14 @@ class LogBudget:
         now = time.monotonic()
         window = self._windows.get(key)
         if window is None or now - window[0] >= self.every:
-            held = window[2] if window is not None else 0
+            held = int(window[2]) if window is not None else 0
             if len(self._windows) > 4096:  # sources come and go: forget the quiet ones
                 self._windows = {k: w for k, w in self._windows.items() if now - w[0] < self.every}
             self._windows[key] = [now, 1, 0]
             return held
         if window[1] < self.burst:
             window[1] += 1
-            held, window[2] = window[2], 0
+            held, window[2] = int(window[2]), 0
             return held
         window[2] += 1
         self.held_back += 1
@@ -127,4 +127,4 @@ class AuthBackoff:
         if len(self._failures) > 4096:
             self._failures = {k: v for k, v in self._failures.items() if now - v[1] <= self.forget}
         self._failures[peer] = (count, now)
-        return min(self.most, self.first * 2 ** (count - 1))
+        return min(self.most, self.first * 2.0 ** (count - 1))

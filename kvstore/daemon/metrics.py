@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 class Metrics:
     """Ops by kind and result, bytes in and out, latency per op, and store gauges read at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict] | None = None):
+    def __init__(self, stats: Callable[[], dict[str, Any]] | None = None):
         self.enabled = stats is not None
-        if not self.enabled:
+        if stats is None:
             return
+        read_stats = stats
         from prometheus_client import CollectorRegistry, Counter, Histogram
         from prometheus_client.core import GaugeMetricFamily
 
@@ -23,8 +25,8 @@ class Metrics:
                                   buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3))
 
         class _StoreCollector:
-            def collect(self_inner):
-                s = stats()
+            def collect(self_inner) -> Iterator[GaugeMetricFamily]:
+                s = read_stats()
                 for name in ("capacity_bytes", "used_bytes", "objects", "leases", "pending", "evictions",
                              "expirations", "clients"):
                     g = GaugeMetricFamily(f"kvstore_{name}", f"Store {name.replace('_', ' ')}")

@@ -73,7 +73,8 @@ def _proc_net_addr(addr: IPv4Address | IPv6Address, port: int) -> str:
     return "".join(f"{w:08X}" for w in struct.unpack(f"={len(packed) // 4}I", packed)) + f":{port:04X}"
 
 
-def _socket_row(peer, peer_port: int, local, local_port: int) -> tuple[int, int] | None:
+def _socket_row(peer: IPv4Address | IPv6Address, peer_port: int, local: IPv4Address | IPv6Address,
+                local_port: int) -> tuple[int, int] | None:
     """(uid, inode) of this host's socket whose local end is ``peer`` and remote end is ``local``."""
     tables = []
     for a, b in ((peer, local), (getattr(peer, "ipv4_mapped", None), getattr(local, "ipv4_mapped", None))):

@@ -12,7 +12,9 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import Coroutine
 from os.path import dirname
+from typing import TYPE_CHECKING, Any
 
 from kvstore.core.master import LRUPolicy, Master, Replica, Tier
 from kvstore.daemon.config import ServerConfig
@@ -30,6 +32,9 @@ from kvstore.memory.shm import SharedMemory
 from kvstore.protocol.credentials import ensure_private_dir
 from kvstore.protocol.url import Endpoint, host_id, runtime_dir
 from kvstore.transports.tcp import tune
+
+if TYPE_CHECKING:
+    from kvstore.transports.ucx_server import UcxDataServer
 
 log = logging.getLogger("kvstore.daemon.server")
 SERVED_TRANSPORTS = ("shm", "tcp")  # always served; "ucx" too while a --listen ucx:// endpoint runs, and
@@ -85,13 +90,13 @@ class Server:
         self.generation = int.from_bytes(os.urandom(8), "little") | 1  # this daemon's life, as its index shows it
         self.sessions: set[Session] = set()
         self.connections = ConnectionLimits(config.limits)
-        self.ucx = None  # kvstore.transports.ucx_server.UcxDataServer while a --listen ucx:// endpoint runs
+        self.ucx: UcxDataServer | None = None  # while a --listen ucx:// endpoint runs
         self.gpu: GpuMemory | None = None  # with --gpu-capacity
         self.disk: DiskService | None = None  # with --disk-path
-        self.waiters: dict[str, list[asyncio.Future]] = {}
+        self.waiters: dict[str, list[asyncio.Future[str]]] = {}
         self.draining = False
         self._listeners: list[socket.socket] = []
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -206,7 +211,7 @@ class Server:
         sock.setblocking(False)
         return sock
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -241,7 +246,7 @@ class Server:
                 log.exception("could not set up a connection on %s", ep)
                 conn.close()
 
-    def _admit(self, conn: socket.socket, addr, ep: Endpoint) -> None:
+    def _admit(self, conn: socket.socket, addr: Any, ep: Endpoint) -> None:
         conn.setblocking(False)
         tune(conn)
         peer = f"{ep}" if ep.scheme == "unix" else f"tcp://{addr[0]}:{addr[1]}"
@@ -341,7 +346,8 @@ class Server:
         return SERVED_TRANSPORTS + (("ucx",) if self.ucx is not None else ()) + \
             (("cuda_ipc",) if self.gpu is not None else ())
 
-    def choose_transport(self, requested: str, client_host: str, peer: str, offered: list[str] | tuple = ()) -> str:
+    def choose_transport(self, requested: str, client_host: str, peer: str,
+                         offered: list[str] | tuple[str, ...] = ()) -> str:
         """The data path of a new connection. ``offered``: the transports the client can run (a client that
         offers none gets shm or tcp)."""
         same_host = client_host == self.host_id
@@ -363,10 +369,10 @@ class Server:
             self.sessions.discard(session)
             self.connections.release(session.peer_key)
 
-    def index_info(self) -> list:
+    def index_info(self) -> list[Any]:
         return [self._index_shm.name, self._index_shm.size]
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         out = self.master.stats()
         out["clients_by_transport"] = {}
         for s in self.sessions:
@@ -396,14 +402,14 @@ class Server:
         finally:
             self.forget_waiter(keys, fut)
 
-    def add_waiter(self, keys: list[str]) -> asyncio.Future:
+    def add_waiter(self, keys: list[str]) -> asyncio.Future[str]:
         """A future resolved (by ``on_published``) with the first of ``keys`` to be committed."""
         fut = asyncio.get_running_loop().create_future()
         for key in keys:
             self.waiters.setdefault(key, []).append(fut)
         return fut
 
-    def forget_waiter(self, keys: list[str], fut: asyncio.Future) -> None:
+    def forget_waiter(self, keys: list[str], fut: asyncio.Future[str]) -> None:
         for key in keys:
             futs = self.waiters.get(key)
             if futs and fut in futs:
@@ -435,20 +441,17 @@ def _refuse_if_live(path: str) -> None:
     raise InvalidArgumentError(f"another daemon is already listening on unix://{path}")
 
 
-def run(config: ServerConfig, server_class: type[Server] = Server, **server_kwargs) -> int:
+def run(config: ServerConfig, server_class: type[Server] = Server, **server_kwargs: Any) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
-    try:
-        import uvloop
-    except ImportError:
-        uvloop = None
-
     async def main() -> None:
         server = server_class(config, **server_kwargs)
         await server.start()
         await server.serve_forever()
 
-    if uvloop is not None:
-        uvloop.run(main())
-    else:
+    try:
+        import uvloop
+    except ImportError:  # optional (the fast extra): asyncio's own loop then
         asyncio.run(main())
+    else:
+        uvloop.run(main())
     return 0
