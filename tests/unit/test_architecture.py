@@ -221,3 +221,89 @@ def test_the_checker_sees_function_level_cycles():
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     tree_graph = {"a": {"b"}, "b": {"c"}, "c": set()}
     assert _cycles(tree_graph) == []
+
+
+# ---- composition, not mixins (daemon/ and core/) --------------------------------------------------------------
+#: Packages whose classes are assembled by composition: a class there has at most one project base class, and
+#: none is a mixin (a class that other classes inherit from and that nothing else names: no call, no annotation).
+COMPOSED = ("kvstore.daemon", "kvstore.core")
+
+
+def _trees(root: Path) -> dict[str, ast.Module]:
+    return {_module_name_under(root, p): ast.parse(p.read_text(), str(p)) for p in root.glob("kvstore/**/*.py")}
+
+
+def _module_name_under(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _base_name(node: ast.expr) -> str:
+    """``a.b.C`` or ``C[...]`` -> ``C``."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+def _mixin_findings(trees: dict[str, ast.Module], packages: tuple[str, ...] = COMPOSED) -> list[str]:
+    """Classes of ``packages`` with two or more project base classes, classes of ``packages`` that are only ever
+    inherited from (named nowhere else), and methods whose ``self`` is annotated as another class."""
+    classes = {node.name: module for module, tree in trees.items() for node in ast.walk(tree)
+               if isinstance(node, ast.ClassDef)}
+    base_ids: set[int] = set()
+    inherited: set[str] = set()  # class names some class inherits from
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                base_ids.update(id(n) for base in node.bases for n in ast.walk(base))
+                inherited.update(map(_base_name, node.bases))
+    named: set[str] = set()  # class names used other than as a base: calls, annotations, attributes, values
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if id(node) in base_ids:
+                continue
+            if isinstance(node, ast.Name):
+                named.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                named.add(node.attr)
+    found = []
+    for module, tree in trees.items():
+        if not module.startswith(packages):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            project_bases = [b for b in map(_base_name, node.bases) if b in classes]
+            if len(project_bases) > 1:
+                found.append(f"{module}.{node.name} inherits from {len(project_bases)} project classes: "
+                             f"{project_bases}")
+            if node.name in inherited and node.name not in named:
+                found.append(f"{module}.{node.name} is only ever inherited from (a mixin)")
+            for fn in node.body:
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.args.args:
+                    self_type = fn.args.args[0].annotation
+                    if self_type is not None and ast.unparse(self_type).strip("'\"") != node.name:
+                        found.append(f"{module}.{node.name}.{fn.name} takes self as {ast.unparse(self_type)}")
+    return sorted(found)
+
+
+def test_daemon_and_core_are_composed_not_mixed_in():
+    """Op groups and the master's parts are objects their owner holds, over declared interfaces (the
+    daemon's SessionContext and DaemonContext), not mixins relying on members they never declare."""
+    found = _mixin_findings(_trees(ROOT))
+    assert not found, "mixins in daemon/ or core/ (compose instead):\n" + "\n".join(found)
+
+
+def test_the_mixin_check_sees_mixins():
+    sources = {
+        "kvstore.daemon.ops": "class A:\n    def f(self: 'Host') -> None: ...\nclass B:\n    pass\n",
+        "kvstore.daemon.host": "from kvstore.daemon.ops import A, B\nclass Host(A, B):\n    pass\nHost()\n",
+        "kvstore.core.fine": "class Base:\n    pass\nclass Child(Base):\n    pass\nx: Base = Child()\n",
+    }
+    found = _mixin_findings({m: ast.parse(s) for m, s in sources.items()})
+    assert found == ["kvstore.daemon.host.Host inherits from 2 project classes: ['A', 'B']",
+                     "kvstore.daemon.ops.A is only ever inherited from (a mixin)",
+                     "kvstore.daemon.ops.A.f takes self as 'Host'",
+                     "kvstore.daemon.ops.B is only ever inherited from (a mixin)"]
