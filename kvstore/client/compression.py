@@ -16,6 +16,7 @@ or data that changes is noticed.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import lz4.block
 
@@ -61,9 +62,10 @@ class WirePolicy:
         """Seconds per byte of a compressed transfer: measured when one ran, else from the sample."""
         if self.packed_rate is not None:
             return 1 / self.packed_rate
-        if None in (self.plain_rate, self.ratio, self.compress_rate, self.decompress_rate):
+        plain, ratio, pack, unpack = self.plain_rate, self.ratio, self.compress_rate, self.decompress_rate
+        if plain is None or ratio is None or pack is None or unpack is None:
             return None
-        return 1 / self.compress_rate + 1 / (self.ratio * self.plain_rate) + 1 / self.decompress_rate
+        return 1 / pack + 1 / (ratio * plain) + 1 / unpack
 
     def _pays(self) -> bool:
         packed = self._predicted()
@@ -71,8 +73,8 @@ class WirePolicy:
 
     def _might_pay(self) -> bool:
         # worth a probe only where the sample's ratio and speed could beat the link at all
-        return None not in (self.plain_rate, self.ratio, self.compress_rate) and self.ratio > 1.05 \
-            and self.compress_rate > self.plain_rate
+        plain, ratio, pack = self.plain_rate, self.ratio, self.compress_rate
+        return plain is not None and ratio is not None and pack is not None and ratio > 1.05 and pack > plain
 
     def observe(self, nbytes: int, seconds: float, codec: str | None, received: memoryview | None = None) -> None:
         """Record a transfer of ``nbytes`` raw bytes that took ``seconds`` (``codec`` as it was asked for);
@@ -103,9 +105,11 @@ class WirePolicy:
         self.decompress_rate = len(chunk) / max(t2 - t1, 1e-9)
         self.packed_rate = None  # the data changed: the next compressed transfer measures afresh
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """What the policy knows (``stats()["compression"]``): rates in GB/s."""
-        gb = lambda r: None if r is None else round(r / 1e9, 3)
+        def gb(rate: float | None) -> float | None:
+            return None if rate is None else round(rate / 1e9, 3)
+
         return {"mode": self.mode, "codec": self.codec if self.mode == "auto" else self.mode,
                 "compressing": self._pays() if self.mode == "auto" else self.mode != "off",
                 "link_plain_gbs": gb(self.plain_rate), "link_compressed_gbs": gb(self.packed_rate),

@@ -122,14 +122,14 @@ class DirectDeviceMemory:
         digests = [_no_digest if isinstance(p.view, DeviceBuffer) else Digest(p.view) for _, p in items]
         return self._put_many(items, digests, flags=flags)
 
-    def put(self, request: dict, src: DeviceBuffer, digest: Callable[[], int | None]) -> dict:
+    def put(self, request: dict[str, Any], src: DeviceBuffer, digest: Callable[[], int | None]) -> dict[str, Any]:
         """One put of device bytes (the backend's data path calls this for device payloads)."""
         return self.path.put_device(self._channel, request, src, digest)
 
     def get_into(self, key: str, dst: DeviceBuffer) -> tuple[int, int | None]:
         fit = _fitter(key, len(dst))
 
-        def into(reply: dict) -> DeviceBuffer:
+        def into(reply: dict[str, Any]) -> DeviceBuffer:
             fit(reply["size"])
             return dst
 

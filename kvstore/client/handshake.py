@@ -10,12 +10,15 @@ See ``kvstore.daemon.handshake`` for the daemon's side and docs/security.md for 
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvstore.client.rpc import Connection
 from kvstore.errors import AuthenticationError
 from kvstore.protocol import credentials
 
 
-def say_hello(conn: Connection, token: str | None, fields: dict, node: str | None = None) -> dict:
+def say_hello(conn: Connection, token: str | None, fields: dict[str, Any], node: str | None = None
+              ) -> dict[str, Any]:
     """Authenticate ``conn`` and send ``hello`` with ``fields``; the daemon's hello reply.
 
     ``node``: the cluster node id the caller expects at this address. AuthenticationError (nothing but the
@@ -27,7 +30,7 @@ def say_hello(conn: Connection, token: str | None, fields: dict, node: str | Non
         return conn.call(hello)
     client_nonce = credentials.new_nonce()
     reply = conn.call({"op": "challenge", "nonce": client_nonce})
-    server_nonce, served, proof = reply.get("nonce"), reply.get("node"), reply.get("proof")
+    server_nonce, served, proof = reply.get("nonce") or b"", reply.get("node"), reply.get("proof")
     served = served if isinstance(served, str) else ""
     where = str(conn.endpoint)
     if proof is None and node is None:

@@ -43,7 +43,8 @@ def backend(name: str) -> type[KVStore]:
         module, attr = _BACKENDS[name]
     except KeyError:
         raise InvalidArgumentError(f"unknown store backend {name!r}; known: {sorted(_BACKENDS)}") from None
-    return getattr(importlib.import_module(module), attr)
+    cls: type[KVStore] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def backend_for_url(url: object) -> str:
