@@ -9,20 +9,7 @@ import socket
 from collections.abc import Callable
 
 from kvstore.transports.base import Channel, PayloadDigest, TransportFailure, register
-
-#: socket buffer size asked for on data connections; large payloads move in fewer system calls
-SOCKET_BUFFER = 4 << 20
-
-
-def tune(sock: socket.socket) -> None:
-    """Low latency for control frames, large kernel buffers for payloads."""
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        except OSError:
-            pass
+from kvstore.transports.sockets import tune  # noqa: F401  (re-exported for the daemon and tools)
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
