@@ -5,10 +5,10 @@ A device buffer (:class:`DeviceBuffer`: a device address, its length, its device
 CUDA runtime to use) moves to and from a same-host daemon in one of two ways:
 
 * ``cuda_ipc`` (:class:`CudaIpcTransport`; the daemon holds GPU segments, ``kvstore serve --gpu-capacity``). A
-  put asks for a region of a GPU segment (op ``cuda_put``), copies device-to-device into it through the
-  segment's CUDA IPC mapping, and commits. A get (op ``cuda_get``) leases the object and copies it out the same
-  way; an object the daemon holds in host memory is copied host-to-device from the mapped shared memory instead.
-  Host buffers on this transport take the ``shm`` path unchanged (a GPU-resident object read into a host buffer
+  put asks for a region of a GPU segment (op ``cuda_put``) and copies device-to-device into it through the
+  segment's CUDA IPC mapping; the client commits it. A get (op ``cuda_get``) leases the object and copies it out
+  the same way; an object the daemon holds in host memory is copied host-to-device from the mapped shared memory
+  instead. Host buffers on this transport take the ``shm`` path unchanged (a GPU-resident object read into a host buffer
   is staged into shared memory by the daemon).
 * ``shm`` with device buffers (:class:`ShmDevicePath`; any same-host daemon, no GPU needed on its side):
   device-to-host into the mapped shared-memory region, and host-to-device back.
@@ -33,11 +33,10 @@ from __future__ import annotations
 import importlib.util
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from kvstore.memory.device import CudaRuntime, DeviceBuffer, address_of  # noqa: F401  (re-exported)
-from kvstore.transports.base import Channel, TransportFailure, TransportUnavailable, register, unavailable
-from kvstore.transports.shm import ShmDevicePath, ShmTransport, _finish_put
+from kvstore.transports.base import Channel, TransportFailure, register, unavailable
+from kvstore.transports.shm import ShmDevicePath, ShmTransport
 from kvstore.transports.shm import cuda_call as _cuda
 
 
@@ -97,22 +96,21 @@ class CudaIpcTransport(ShmTransport):
         return self._host.pin_address(runtime, address, length)
 
     # ---- device buffers -----------------------------------------------------------------------------
-    def put_device(self, channel: Channel, request: dict, src: DeviceBuffer,
-                   checksum: Callable[[], int | None]) -> dict:
+    def device_path(self) -> CudaIpcTransport:
+        return self
+
+    def reserve_device(self, channel: Channel, request: dict) -> dict:
         fields = {k: v for k, v in request.items() if k not in ("op", "mode")}
-        reply = channel.call({**fields, "op": "cuda_put"})
-        try:
-            if reply["tier"] == "gpu":
-                dst = self._gpu_address(channel, src.runtime, reply["segment"], reply["offset"], len(src))
-                if len(src):
-                    _cuda("device-to-device copy into the daemon's GPU segment", src.runtime.copy_and_wait, dst,
-                          src.ptr, len(src), src.device, src.stream)
-            else:
-                self._host.copy_to_region(src, reply["segment"], reply["offset"])
-        except BaseException:
-            channel.call({"op": "abort", "put_id": reply["put_id"]})
-            raise
-        return _finish_put(channel, request, reply, checksum)
+        return channel.call({**fields, "op": "cuda_put"})
+
+    def write_device(self, channel: Channel, reply: dict, src: DeviceBuffer) -> None:
+        if reply["tier"] != "gpu":
+            self._host.copy_to_region(src, reply["segment"], reply["offset"])
+            return
+        dst = self._gpu_address(channel, src.runtime, reply["segment"], reply["offset"], len(src))
+        if len(src):
+            _cuda("device-to-device copy into the daemon's GPU segment", src.runtime.copy_and_wait, dst, src.ptr,
+                  len(src), src.device, src.stream)
 
     def get_into_device(self, channel: Channel, request: dict, dst: Callable[[dict], DeviceBuffer]) -> dict:
         reply = channel.call({"op": "cuda_get", "key": request["key"]})
@@ -163,17 +161,6 @@ class CudaIpcTransport(ShmTransport):
                 pass  # closing anyway; the mapping goes with the process at worst
         self._host.close()  # before super() unmaps the shared memory
         super().close()
-
-
-def device_path(transport: Any) -> CudaIpcTransport | ShmDevicePath:
-    """The object that moves device buffers for a connection's data path ``transport`` (TransportUnavailable
-    when that path cannot: only same-host paths map the daemon's memory)."""
-    if isinstance(transport, CudaIpcTransport):
-        return transport
-    if isinstance(transport, ShmTransport):
-        return ShmDevicePath(transport)
-    raise TransportUnavailable(f"the {getattr(transport, 'name', '?')} transport moves host memory only; device "
-                               "buffers need a daemon on this host (transport 'auto', 'cuda_ipc' or 'shm')")
 
 
 # Device buffers come from torch CUDA tensors: a process without torch has none to offer this transport for.

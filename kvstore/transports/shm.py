@@ -14,7 +14,14 @@ from typing import Any
 
 from kvstore.memory.device import CudaRuntime, DeviceBuffer, address_of
 from kvstore.memory.shm import SharedMemory, SharedMemoryError, SharedMemoryUnavailable
-from kvstore.transports.base import Channel, PayloadDigest, TransportFailure, TransportUnavailable, register
+from kvstore.transports.base import (
+    Channel,
+    DevicePath,
+    PayloadDigest,
+    TransportFailure,
+    TransportUnavailable,
+    register,
+)
 
 
 def copy(dst: memoryview, src: memoryview) -> None:
@@ -30,20 +37,25 @@ def cuda_call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise TransportFailure(f"{what} failed: {exc}") from None
 
 
-def _finish_put(channel: Channel, request: dict, reply: dict, checksum: Callable[[], int | None]) -> dict:
-    if request.get("defer"):  # the caller commits a whole batch at once
-        return {"put_id": reply["put_id"], "checksum": checksum()}
-    return channel.call({"op": "commit", "put_id": reply["put_id"], "checksum": checksum()})
-
-
 class ShmTransport:
     """Client side of the same-host path. ``segments`` maps segment id -> (name, size) from the daemon."""
 
     name = "shm"
+    on_connection = False
 
     def __init__(self, segments: dict[int, tuple[str, int]]):
         self._segments = dict(segments)
         self._maps: dict[int, SharedMemory] = {}
+        self._device: ShmDevicePath | None = None
+
+    def regions(self) -> ShmTransport:
+        return self
+
+    def device_path(self) -> DevicePath:
+        """Device buffers through this mapped memory (pinned on first use, unpinned at close)."""
+        if self._device is None:
+            self._device = ShmDevicePath(self)
+        return self._device
 
     def segment_size(self, segment: int) -> int:
         """Size of a segment the daemon announced at hello."""
@@ -69,18 +81,15 @@ class ShmTransport:
             raise TransportFailure(f"region [{offset}, +{length}) outside segment {segment} of {seg.size} bytes")
         return seg.buf[offset:offset + length]
 
-    def put(self, channel: Channel, request: dict, src: memoryview, checksum: PayloadDigest) -> dict:
-        reply = channel.call({**request, "mode": "region"})
+    def reserve(self, channel: Channel, request: dict, src: memoryview, checksum: PayloadDigest) -> dict:
+        return channel.call({**request, "mode": "region"})
+
+    def write(self, channel: Channel, reply: dict, src: memoryview, checksum: PayloadDigest) -> None:
+        dst = self.region(reply["segment"], reply["offset"], len(src))
         try:
-            dst = self.region(reply["segment"], reply["offset"], len(src))
             checksum.copy_into(dst)  # one pass: each piece hashed while in cache
+        finally:
             dst.release()
-        except BaseException:
-            channel.call({"op": "abort", "put_id": reply["put_id"]})
-            raise
-        if request.get("defer"):  # the caller commits a whole batch at once
-            return {"put_id": reply["put_id"], "checksum": checksum()}
-        return channel.call({"op": "commit", "put_id": reply["put_id"], "checksum": checksum()})
 
     def get_into(self, channel: Channel, request: dict, dst: Callable[[dict], memoryview]) -> dict:
         reply = channel.call({**request, "mode": "region"})
@@ -94,6 +103,9 @@ class ShmTransport:
         return reply
 
     def close(self) -> None:
+        if self._device is not None:  # unpins the segments: before they are unmapped
+            self._device.close()
+            self._device = None
         for seg in self._maps.values():
             seg.close()
         self._maps.clear()
@@ -115,15 +127,11 @@ class ShmDevicePath:
         state = "pinned" if self._pinned and not self._unpinned else "unpinned" if self._unpinned else "not used yet"
         return f"{self.name}: device<->host copies through shared memory ({state})"
 
-    def put_device(self, channel: Channel, request: dict, src: DeviceBuffer,
-                   checksum: Callable[[], int | None]) -> dict:
-        reply = channel.call({**request, "mode": "region"})
-        try:
-            self.copy_to_region(src, reply["segment"], reply["offset"])
-        except BaseException:
-            channel.call({"op": "abort", "put_id": reply["put_id"]})
-            raise
-        return _finish_put(channel, request, reply, checksum)
+    def reserve_device(self, channel: Channel, request: dict) -> dict:
+        return channel.call({**request, "mode": "region"})
+
+    def write_device(self, channel: Channel, reply: dict, src: DeviceBuffer) -> None:
+        self.copy_to_region(src, reply["segment"], reply["offset"])
 
     def get_into_device(self, channel: Channel, request: dict, dst: Callable[[dict], DeviceBuffer]) -> dict:
         reply = channel.call({**request, "mode": "region"})
