@@ -13,16 +13,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
 from kvstore.client.rpc import Connection
 from kvstore.core.allocator import Allocator
-from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta
 from kvstore.errors import InvalidArgumentError, KVStoreError, StoreConnectionError, StoreFullError
 from kvstore.protocol import wire
-from kvstore.transports.shm import ShmTransport
+from kvstore.transports.base import PayloadDigest, Regions
 
 #: the most objects one arena_commit carries (the schema's bound on a commit's entries)
 MAX_ENTRIES = 4096
@@ -47,8 +47,8 @@ class Slot:
 class ArenaWriter:
     """The arenas of one connection. ``size``: bytes of one arena (the daemon's ``--arena-size``). Thread-safe."""
 
-    def __init__(self, conn: Connection, data: ShmTransport, size: int):
-        self._conn, self._data, self.size = conn, data, size
+    def __init__(self, conn: Connection, regions: Regions, size: int):
+        self._conn, self._regions, self.size = conn, regions, size
         self._arenas: list[_Arena] = []
         self._lock = threading.Lock()
 
@@ -88,9 +88,9 @@ class ArenaWriter:
             return Slot(arena, arena.base + offset, nbytes)
 
     def view(self, slot: Slot) -> memoryview:
-        return self._data.region(slot.arena.segment, slot.offset, slot.nbytes)
+        return self._regions.region(slot.arena.segment, slot.offset, slot.nbytes)
 
-    def write(self, slot: Slot, digest: Digest) -> None:
+    def write(self, slot: Slot, digest: PayloadDigest) -> None:
         """Copy the payload into the slot, hashing each piece while it is in cache."""
         dst = self.view(slot)
         try:
@@ -107,11 +107,11 @@ class ArenaWriter:
 
     # ---- commits ------------------------------------------------------------------------------------
     @staticmethod
-    def entry(slot: Slot, meta: ObjectMeta, checksum: int | None) -> dict:
+    def entry(slot: Slot, meta: ObjectMeta, checksum: int | None) -> dict[str, Any]:
         return {"arena": slot.arena.id, "offset": slot.offset, "meta": meta.to_wire(), "checksum": checksum}
 
-    def commit(self, entries: list[dict], slots: Sequence[Slot], *, if_absent: bool = False, pin: bool = False,
-               ephemeral: bool = False, give_back: bool = True) -> dict:
+    def commit(self, entries: list[dict[str, Any]], slots: Sequence[Slot], *, if_absent: bool = False,
+               pin: bool = False, ephemeral: bool = False, give_back: bool = True) -> dict[str, Any]:
         """One ``arena_commit`` of ``entries`` (arena entries for ``slots``, and pending region puts). On a refusal
         the slots go back to the local allocator (unless ``give_back`` is False: the caller's abort does it)."""
         try:

@@ -27,8 +27,7 @@ from kvstore.core.value import Payload
 from kvstore.errors import BufferTooSmallError, TransportError
 from kvstore.gpu import runtime as gpu
 from kvstore.memory.device import DeviceBuffer, address_of
-from kvstore.transports.base import Channel, TransportFailure
-from kvstore.transports.cuda_ipc import CudaIpcTransport, ShmDevicePath
+from kvstore.transports.base import Channel, DevicePath, TransportFailure
 
 PutMany = Callable[..., list[ObjectMeta]]  # a backend's _put_many(items, digests, *, flags)
 GetInto = Callable[[str, Callable[[int], memoryview]], tuple[int, int | None]]  # a backend's _get_into
@@ -53,8 +52,19 @@ class DeviceMemory(Protocol):
         ...
 
 
-def _no_digest() -> None:
-    return None
+class _NoDigest:
+    """The digest of a device payload: none is recorded (hashing device memory would cost a copy to the host)."""
+
+    known = None
+
+    def __call__(self) -> None:
+        return None
+
+    def copy_into(self, dst: memoryview) -> None:
+        raise TypeError("a device payload is not copied through host memory")
+
+    def record(self, value: int) -> None:
+        pass
 
 
 def _fitter(key: str, capacity: int) -> Callable[[int], None]:
@@ -110,21 +120,16 @@ class StagedDeviceMemory:
 class DirectDeviceMemory:
     """Device values straight to and from a same-host daemon's memory (``cuda_ipc`` or ``shm``)."""
 
-    def __init__(self, path: CudaIpcTransport | ShmDevicePath, channel: Channel, put_many: PutMany,
-                 transport: str, owned: bool):
+    def __init__(self, path: DevicePath, channel: Channel, put_many: PutMany, transport: str):
         self.path, self._channel, self._put_many = path, channel, put_many
-        self._transport, self._owned = transport, owned
+        self._transport = transport
 
     def describe(self) -> str:
         return self.path.describe()
 
     def put_many(self, items: list[tuple[ObjectMeta, Payload]], flags: Any) -> list[ObjectMeta]:
-        digests = [_no_digest if isinstance(p.view, DeviceBuffer) else Digest(p.view) for _, p in items]
+        digests = [_NoDigest() if isinstance(p.view, DeviceBuffer) else Digest(p.view) for _, p in items]
         return self._put_many(items, digests, flags=flags)
-
-    def put(self, request: dict[str, Any], src: DeviceBuffer, digest: Callable[[], int | None]) -> dict[str, Any]:
-        """One put of device bytes (the backend's data path calls this for device payloads)."""
-        return self.path.put_device(self._channel, request, src, digest)
 
     def get_into(self, key: str, dst: DeviceBuffer) -> tuple[int, int | None]:
         fit = _fitter(key, len(dst))
@@ -145,6 +150,4 @@ class DirectDeviceMemory:
         return self.path.pin_address(runtime, address, length)
 
     def close(self) -> None:
-        """Unpin what the path pinned; call before the transport unmaps the shared memory."""
-        if self._owned:
-            self.path.close()
+        pass  # the path is the transport's: it unpins what it pinned before it unmaps the shared memory

@@ -15,36 +15,25 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore import transports
-from kvstore.client.arena import ArenaWriter, check_commit_size, commit_fits
+from kvstore.client import writes
+from kvstore.client.arena import ArenaWriter
 from kvstore.client.compression import WirePolicy
 from kvstore.client.device import DirectDeviceMemory
 from kvstore.client.handshake import say_hello
 from kvstore.client.rpc import Connection
-from kvstore.client.staging import Staged
 from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta
 from kvstore.core.value import KVObject, Payload
-from kvstore.errors import (
-    InvalidArgumentError,
-    KVStoreError,
-    ObjectTooLargeError,
-    QuotaExceededError,
-    StoreConnectionError,
-    TransportError,
-)
-from kvstore.memory.device import DeviceBuffer
+from kvstore.errors import InvalidArgumentError, StoreConnectionError, TransportError
 from kvstore.memory.index import IndexReader
 from kvstore.memory.shm import SharedMemory, SharedMemoryError
 from kvstore.protocol import wire
 from kvstore.protocol.credentials import env_token
 from kvstore.protocol.url import Endpoint, host_id
-from kvstore.transports.base import TransportFailure, TransportUnavailable
-from kvstore.transports.cuda_ipc import device_path
-from kvstore.transports.shm import ShmTransport
-from kvstore.transports.tcp import StreamTransport
+from kvstore.transports.base import DevicePath, Regions, Transport, TransportFailure, TransportUnavailable
 
-INLINE_MAX = 64 << 10
+INLINE_MAX = writes.INLINE_MAX
 log = logging.getLogger("kvstore.client")
 
 
@@ -68,7 +57,8 @@ class RemoteStore(KVStore):
         self._index_shm: SharedMemory | None = None
         self._device: DirectDeviceMemory | None = None  # built on first use of device memory
         self._device_reason = ""  # why this connection cannot move device memory, once known
-        self._inline = StreamTransport()
+        self._inline: Transport = transports.get("tcp")({})  # the stream path: small objects, whatever the data path
+        self._regions: Regions | None = None  # the daemon's memory mapped here (same-host paths)
         self._arenas: ArenaWriter | None = None  # shm: puts allocate from daemon-granted space, one round trip
         name = client_name or f"pid-{os.getpid()}"
         try:
@@ -88,28 +78,23 @@ class RemoteStore(KVStore):
                                            name="kvstore-heartbeat", daemon=True)
         self._heartbeat.start()
 
-    def _open(self, name: str, transport: str) -> dict:
-        """Connect, say hello and set up the data path the daemon chose; TransportError if it cannot be
-        mapped (the connection is closed then)."""
+    def _open(self, name: str, transport: str) -> dict[str, Any]:
+        """Connect, say hello and set up the data path the daemon chose and this connection's write strategy;
+        TransportError if the path cannot be mapped (the connection is closed then)."""
         self._conn = Connection(self.endpoint, self.timeout)
+        self._index = self._arenas = None  # nothing of an earlier attempt (auto's fallback to tcp)
         try:
             hello = say_hello(self._conn, self._token, self._hello_fields(name, transport), self.expected_node)
             self.transport, self._name, self._generation = hello["transport"], name, hello.get("generation")
             segments = {sid: (seg, size) for sid, seg, size in hello["segments"]}
-            self._data = transports.get(self.transport)(segments)
-            if isinstance(self._data, ShmTransport):  # shm, and cuda_ipc (which maps the same memory)
-                try:
-                    self._index_shm = SharedMemory.attach(*hello["index"])
-                except BaseException:
-                    self._data.close()
-                    raise
-                # trusted only while it shows this daemon's generation alive and heart-beating (a cluster node
-                # gives a short lease: a stopped node must not serve what the others superseded meanwhile)
-                lease = hello.get("index_lease_s") or max(5.0, float(hello["heartbeat_s"]))
-                self._index = IndexReader(self._index_shm.buf, self._data.region, hello.get("generation"),
-                                          stale_after=float(lease))
-                if hello.get("arena_bytes"):
-                    self._arenas = ArenaWriter(self._conn, self._data, hello["arena_bytes"])
+            self._data: Transport = transports.get(self.transport)(segments)
+            self._regions = self._data.regions()  # shm, and cuda_ipc (which maps the same memory)
+            if self._regions is not None:
+                self._map(hello, self._regions)
+            puts = writes.TransportPuts(self._conn, self._data, self._inline, capacity=hello["capacity"],
+                                        wire=self.wire, device=self._device_path,
+                                        relieve=self._arenas.retire_idle if self._arenas is not None else None)
+            self._writes = writes.choose(puts, self._conn, self._regions, self._arenas, self._staging_pool)
         except (TransportFailure, SharedMemoryError) as exc:
             self._conn.close()
             raise TransportError(str(exc)) from None
@@ -119,12 +104,27 @@ class RemoteStore(KVStore):
         self._conn.reconnects_with(self._reauth)
         return hello
 
+    def _map(self, hello: dict[str, Any], regions: Regions) -> None:
+        """The same-host extras: the daemon's shared-memory index, and its arenas when it grants them."""
+        try:
+            self._index_shm = SharedMemory.attach(*hello["index"])
+        except BaseException:
+            self._data.close()
+            raise
+        # trusted only while it shows this daemon's generation alive and heart-beating (a cluster node gives a
+        # short lease: a stopped node must not serve what the others superseded meanwhile)
+        lease = hello.get("index_lease_s") or max(5.0, float(hello["heartbeat_s"]))
+        self._index = IndexReader(self._index_shm.buf, regions.region, hello.get("generation"),
+                                  stale_after=float(lease))
+        if hello.get("arena_bytes"):
+            self._arenas = ArenaWriter(self._conn, regions, hello["arena_bytes"])
+
     @staticmethod
-    def _hello_fields(name: str, transport: str) -> dict:
+    def _hello_fields(name: str, transport: str) -> dict[str, Any]:
         return {"client": name, "transport": transport, "host": host_id(), "pid": os.getpid(),
                 "transports": transports.names()}
 
-    def _reauth(self, channel) -> None:
+    def _reauth(self, channel: Connection) -> None:
         """A failure (a timed-out call) closed the control connection: say hello again on the new one. Only to
         the same daemon (generation) on the same data path: the mapped segments and the index stay valid. What
         the old connection held (leases, pending puts, arenas) the daemon revoked with it."""
@@ -152,165 +152,31 @@ class RemoteStore(KVStore):
             except Exception:
                 continue  # the next real call reports the failure (and reconnects)
 
-    def _path(self, size: int):
-        return self._inline if size <= INLINE_MAX else self._data
-
     def _call(self, op: str, **fields: Any) -> Any:
         return self._conn.call({"op": op, **fields}).get("value")
 
     # ---- primitives ---------------------------------------------------------------------------------
+    # Writes: the connection's write strategy (kvstore/client/writes.py) holds the one put sequence.
     def _put(self, meta: ObjectMeta, payload: Payload, digest: Digest, *, flags: PutFlags) -> ObjectMeta:
-        if self._arena_fits(meta, payload):
-            slot = self._arenas.take(meta.size)
-            if slot is not None:
-                try:
-                    self._arenas.write(slot, digest)
-                except BaseException:
-                    self._arenas.returned(slot)
-                    raise
-                reply = self._arenas.commit([self._arenas.entry(slot, meta, digest())], [slot], **_flags(flags))
-                return meta.with_commit(digest(), reply["versions"][0], reply["created"][0])
-        reply = self._send_put(meta, payload, digest, flags, defer=False)
-        return meta.with_commit(digest(), reply["version"], reply["created"])
-
-    def _quota_retry(self, send: Callable[[], dict]) -> dict:
-        """``send()`` a put outside the arenas; if the daemon refuses it for this client's quota, which counts the
-        client's idle arenas too, give those back and send it once more (the refused request stored nothing)."""
-        try:
-            return send()
-        except QuotaExceededError:
-            if self._arenas is None or not self._arenas.retire_idle():
-                raise
-        return send()
-
-    def _arena_fits(self, meta: ObjectMeta, payload: Payload | None = None) -> bool:
-        return self._arenas is not None and self._arenas.fits(meta.size) and \
-            (payload is None or not isinstance(payload.view, DeviceBuffer))
-
-    def _put_many_arena(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], flags: PutFlags
-                        ) -> list[ObjectMeta] | None:
-        """batch_put through the arenas: every object copied, then one commit. None if a slot is not to be had."""
-        slots = []
-        try:
-            for (meta, _), digest in zip(items, digests, strict=True):
-                slot = self._arenas.take(meta.size)
-                if slot is None:
-                    for s in slots:
-                        self._arenas.returned(s)
-                    return None
-                slots.append(slot)
-                self._arenas.write(slot, digest)
-        except BaseException:
-            for s in slots:
-                self._arenas.returned(s)
-            raise
-        entries = [self._arenas.entry(slot, meta, digest()) for slot, (meta, _), digest in zip(slots, items, digests,
-                                                                                             strict=True)]
-        reply = self._arenas.commit(entries, slots, **_flags(flags))
-        return [meta.with_commit(digest(), v, c)
-                for (meta, _), digest, v, c in zip(items, digests, reply["versions"], reply["created"], strict=True)]
-
-    def _send_put(self, meta: ObjectMeta, payload: Payload, digest: Digest, flags: PutFlags, defer: bool) -> dict:
-        if meta.size > self.capacity:
-            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
-        request = {"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(),
-                   "if_absent": flags.if_absent, "pin": flags.pin, "ephemeral": flags.ephemeral, "defer": defer}
-        try:
-            if isinstance(payload.view, DeviceBuffer):  # routed here by device_memory().put_many
-                return self._direct_device().put(request, payload.view, digest)
-            path = self._path(meta.size)
-            if path is self._data and isinstance(path, StreamTransport):
-                codec = self.wire.choose()
-                if codec is not None:
-                    request["compress"] = codec
-                started = time.perf_counter()
-                reply = self._quota_retry(lambda: path.put(self._conn, request, payload.view, digest))
-                self.wire.observe(meta.size, time.perf_counter() - started, codec, payload.view)
-                return reply
-            return self._quota_retry(lambda: path.put(self._conn, request, payload.view, digest))
-        except TransportFailure as exc:
-            raise TransportError(f"put of {meta.key!r} failed on the {self.transport} path: {exc}") from None
+        return self._writes.put(meta, payload, digest, flags)
 
     def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
                   flags: PutFlags) -> list[ObjectMeta]:
         self._check_batch(len(items), "batch_put")  # every path here (device put_many too) before a byte is sent
-        if all(self._arena_fits(m, p) for m, p in items) and commit_fits([m for m, _ in items]):
-            done = self._put_many_arena(items, digests, flags)
-            if done is not None:
-                return done
-        pending: list[dict] = []
-        try:
-            for (meta, payload), digest in zip(items, digests, strict=True):
-                pending.append(self._send_put(meta, payload, digest, flags, defer=True))
-            reply = self._conn.call({"op": "commit_many", "put_ids": [p["put_id"] for p in pending],
-                                     "checksums": [p.get("checksum") for p in pending]})
-        except BaseException:
-            if not self._conn.closed:
-                for p in pending[:len(pending)]:
-                    try:
-                        self._conn.call({"op": "abort", "put_id": p["put_id"]})
-                    except Exception:
-                        pass  # already aborted by a failed commit_many, or the connection is gone
-            raise
-        return [meta.with_commit(digest(), v, c)
-                for (meta, _), digest, v, c in zip(items, digests, reply["versions"], reply["created"], strict=True)]
+        return self._writes.put_many(items, digests, flags)
 
     def _reserve(self, meta: ObjectMeta, flags: PutFlags) -> tuple[Any, memoryview]:
-        if meta.size > self.capacity:  # first: a staging buffer of any size is not even tried
-            raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
-        if not isinstance(self._data, ShmTransport):  # tcp, ucx: a staging buffer sent at commit
-            return super()._reserve(meta, flags)
-        if self._arena_fits(meta):  # no round trip: the commit is the only one
-            slot = self._arenas.take(meta.size)
-            if slot is not None:
-                try:
-                    return ("arena", slot, flags), self._arenas.view(slot)
-                except BaseException:
-                    self._arenas.returned(slot)
-                    raise
-        reply = self._quota_retry(lambda: self._conn.call(
-            {"op": "put", "key": meta.key, "size": meta.size, "meta": meta.to_wire(), "if_absent": flags.if_absent,
-             "pin": flags.pin, "ephemeral": flags.ephemeral, "defer": True, "mode": "region"}))
-        try:
-            view = self._data.region(reply["segment"], reply["offset"], meta.size)
-        except BaseException:
-            self._abort_reserved([("region", reply["put_id"])], quiet=True)
-            raise
-        return ("region", reply["put_id"]), view
+        return self._writes.reserve(meta, flags)
 
-    def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int]
+    def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int | None]
                          ) -> list[ObjectMeta]:
-        if not handles or isinstance(handles[0], Staged):
-            return super()._commit_reserved(handles, metas, checksums)
-        arena = [h for h in handles if h[0] == "arena"]
-        if arena:
-            check_commit_size(metas)
-            entries = [self._arenas.entry(h[1], meta, c) if h[0] == "arena" else {"put_id": h[1], "checksum": c}
-                       for h, meta, c in zip(handles, metas, checksums, strict=True)]
-            reply = self._arenas.commit(entries, [h[1] for h in arena], **_flags(arena[0][2]), give_back=False)
-            return [meta.with_commit(c, v, t) for meta, c, v, t in
-                    zip(metas, checksums, reply["versions"], reply["created"], strict=True)]
-        reply = self._conn.call({"op": "commit_many", "put_ids": [h[1] for h in handles],
-                                 "checksums": list(checksums)})
-        return [meta.with_commit(c, v, t) for meta, c, v, t in
-                zip(metas, checksums, reply["versions"], reply["created"], strict=True)]
+        if not handles:
+            return []
+        return self._writes.commit(handles, metas, checksums)
 
     def _abort_reserved(self, handles: list[Any], quiet: bool = False) -> None:
-        if not handles or isinstance(handles[0], Staged):
-            return super()._abort_reserved(handles, quiet)
-        for h in handles:
-            if h[0] == "arena":
-                self._arenas.returned(h[1])
-        if self._conn.closed:
-            return  # the daemon revoked them when the connection dropped
-        for h in handles:
-            if h[0] == "arena":
-                continue
-            try:
-                self._conn.call({"op": "abort", "put_id": h[1]})
-            except KVStoreError:
-                if not quiet:
-                    raise
+        if handles:
+            self._writes.abort(handles, quiet)
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
         if self._index is not None:
@@ -325,14 +191,14 @@ class RemoteStore(KVStore):
             fit(meta["size"])  # a zero-byte object still checks the buffer
         return meta["size"], meta["checksum"]
 
-    def _read(self, key: str, dst: Callable[[dict], memoryview], path) -> dict:
+    def _read(self, key: str, dst: Callable[[dict[str, Any]], memoryview], path: Transport) -> dict[str, Any]:
         request = {"op": "get", "key": key}
-        codec = self.wire.choose() if isinstance(path, StreamTransport) else None
+        codec = self.wire.choose() if path.on_connection else None
         if codec is not None:
             request["compress"] = codec
         landed: list[memoryview] = []
 
-        def into(reply: dict) -> memoryview:
+        def into(reply: dict[str, Any]) -> memoryview:
             landed.append(dst(reply))
             return landed[0]
 
@@ -341,20 +207,21 @@ class RemoteStore(KVStore):
             reply = path.get_into(self._conn, request, into)
         except TransportFailure as exc:
             raise TransportError(f"get of {key!r} failed on the {self.transport} path: {exc}") from None
-        if codec is not None or isinstance(path, StreamTransport):
+        if codec is not None or path.on_connection:
             size = reply.get("frames") or reply.get("stream") or 0
             self.wire.observe(size, time.perf_counter() - started, codec, landed[0][:size] if landed else None)
         return reply
 
     def _get(self, key: str, *, copy: bool) -> KVObject:
-        if not isinstance(self._data, ShmTransport):
+        regions = self._regions
+        if regions is None:
             # A copy is the caller's for good: fresh memory. A zero-copy object here is a client buffer (the
             # daemon's memory cannot be mapped) that nobody else writes while it is held; it is taken warm from
             # the staging pool and goes back there when released.
             pool = self._staging_pool()
-            holder: dict = {}
+            holder: dict[str, Any] = {}
 
-            def fit(r: dict) -> memoryview:
+            def fit(r: dict[str, Any]) -> memoryview:
                 size = r["meta"]["size"]
                 holder["raw"] = pool.take(size) if not copy else bytearray(size)
                 return memoryview(holder["raw"])
@@ -373,7 +240,7 @@ class RemoteStore(KVStore):
         reply = self._conn.call({"op": "get", "key": key, "mode": "region"})
         meta = ObjectMeta.from_wire(reply["meta"])
         try:
-            region = self._data.region(reply["segment"], reply["offset"], reply["size"])
+            region = regions.region(reply["segment"], reply["offset"], reply["size"])
         except BaseException:
             self._conn.queue_release(reply["lease"])
             raise
@@ -396,7 +263,7 @@ class RemoteStore(KVStore):
 
     # ---- metadata -----------------------------------------------------------------------------------
     def _exists(self, key: str) -> bool:
-        return self._call("exists", key=key)
+        return bool(self._call("exists", key=key))
 
     def _batch_exists(self, keys: Sequence[str]) -> list[bool]:
         # read-only, so a long list is split transparently into requests the daemon takes
@@ -405,10 +272,10 @@ class RemoteStore(KVStore):
                 for found in self._call("batch_exists", keys=keys[start:start + wire.MAX_BATCH])]
 
     def _evict(self, key: str) -> bool:
-        return self._call("evict", key=key)
+        return bool(self._call("evict", key=key))
 
     def _remove(self, key: str) -> bool:
-        return self._call("remove", key=key)
+        return bool(self._call("remove", key=key))
 
     def _wait(self, keys: Sequence[str], timeout: float) -> str | None:
         # A wait may block for its whole timeout: it gets a connection of its own (opened on first use), so
@@ -437,13 +304,13 @@ class RemoteStore(KVStore):
                 return out
             request["after"] = reply["value"][-1]
 
-    def _inspect(self, key: str) -> dict:
-        info = self._call("inspect", key=key)
+    def _inspect(self, key: str) -> dict[str, Any]:
+        info: dict[str, Any] = self._call("inspect", key=key)
         info["client_transport"] = self.transport
         return info
 
-    def stats(self) -> dict:
-        out = self._call("stats")
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = self._call("stats")
         out["transport"] = self.transport
         out["compression"] = self.wire.describe()
         device = self.device_memory()
@@ -454,13 +321,17 @@ class RemoteStore(KVStore):
     def device_memory(self) -> DirectDeviceMemory | None:
         if self._device is None and not self._device_reason:
             try:
-                path = device_path(self._data)
+                path = self._data.device_path()
             except TransportUnavailable as exc:
                 self._device_reason = f"{exc}; this connection uses {self.transport}"
                 return None
-            self._device = DirectDeviceMemory(path, self._conn, self._put_many, self.transport,
-                                              owned=path is not self._data)
+            self._device = DirectDeviceMemory(path, self._conn, self._put_many, self.transport)
         return self._device
+
+    def _device_path(self) -> DevicePath:
+        """What moves device payloads on this connection (InvalidArgumentError, before anything is sent, where
+        nothing can)."""
+        return self._direct_device().path
 
     def _direct_device(self) -> DirectDeviceMemory:
         device = self.device_memory()
@@ -488,10 +359,10 @@ class RemoteStore(KVStore):
         self._conn.close()
         if self._waiter is not None:
             self._waiter.close()
-        if self._device is not None:  # unpins shared memory: before the transport unmaps it
+        if self._device is not None:
             self._device.close()
             self._device = None
-        self._data.close()
+        self._data.close()  # unpins the shared memory device copies pinned, then unmaps it
         if self._index_shm is not None:
             self._index = None
             self._index_shm.close()
@@ -501,10 +372,6 @@ class RemoteStore(KVStore):
             self.close()
         except Exception:
             pass
-
-
-def _flags(flags: PutFlags) -> dict:
-    return {"if_absent": flags.if_absent, "pin": flags.pin, "ephemeral": flags.ephemeral}
 
 
 __all__ = ["RemoteStore", "StoreConnectionError"]

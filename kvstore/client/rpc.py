@@ -32,7 +32,7 @@ from kvstore.errors import (
 from kvstore.protocol import compression, wire
 from kvstore.protocol.credentials import check_peer
 from kvstore.protocol.url import Endpoint
-from kvstore.transports.tcp import tune
+from kvstore.transports.sockets import tune
 
 _BUFFER = 64 << 10
 

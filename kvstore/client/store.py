@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstore.client import pages, registry
+from kvstore.client import pages, registry, staging
 from kvstore.client.reservation import Reservation
 from kvstore.client.staging import Staged, StagingPool
 from kvstore.core.digest import Digest, checksum_of
@@ -305,34 +305,18 @@ class KVStore(ABC):
 
     def _reserve(self, meta: ObjectMeta, flags: PutFlags) -> tuple[Any, memoryview]:
         """Reserve ``meta.size`` bytes for ``meta``; return (handle, writable view)."""
-        staged = Staged(meta, self._staging_pool().take(meta.size), flags)
-        return staged, memoryview(staged.buffer)  # the caller's view is released before commit
+        return staging.stage(self._staging_pool(), meta, flags)
 
     def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int | None]
                          ) -> list[ObjectMeta]:
         """Commit reserved objects at once with these checksums (abort them all on failure). A None checksum
         (only for staged handles) is computed by the path that sends the bytes (a daemon hashes a stream as it
         lands)."""
-        items = [(h.meta, Payload(memoryview(h.buffer), h.meta.kind, h.meta.dtype, h.meta.shape)) for h in handles]
-        digests = [Digest(item[1].view, known=c) for item, c in zip(items, checksums, strict=True)]
-        try:
-            return self._put_many(items, digests, flags=handles[0].flags)
-        finally:
-            reusable = []
-            for h, (_, payload) in zip(handles, items, strict=True):
-                try:
-                    payload.view.release()
-                    reusable.append(h)
-                except BufferError:  # something still holds the bytes: let that buffer go with it
-                    pass
-            handles[:] = reusable
-            self._abort_reserved(handles)  # sent (or failed): the buffers go back to the pool
+        return staging.send_staged(handles, checksums, self._put_many, self._staging)
 
     def _abort_reserved(self, handles: list[Any], quiet: bool = False) -> None:
         """Free reserved objects (staging buffers: nothing was sent; they go back to the pool)."""
-        for h in handles:
-            if isinstance(h, Staged) and self._staging is not None:
-                self._staging.give(h.buffer)
+        staging.unstage([h for h in handles if isinstance(h, Staged)], self._staging)
         handles.clear()
 
     @abstractmethod

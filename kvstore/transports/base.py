@@ -1,15 +1,20 @@
 """The transport interface, its registry and its error family.
 
 A transport moves the payload of one ``put`` or ``get_into`` between a caller's buffer and a region of a
-daemon segment. The control messages (dicts) are opaque to it except for the data-plane fields it adds
-(``mode`` and its own region fields); the daemon answers them through a :class:`Channel`.
+daemon segment; the client owns the sequence around it (``kvstore/client/writes.py``: reserve, move, commit or
+abort). The control messages (dicts) are opaque to it except for the data-plane fields it adds (``mode`` and its
+own region fields); the daemon answers them through a :class:`Channel`. What a path can do beyond host puts
+and gets it says itself: ``regions()`` (the daemon's memory mapped here) and ``device_path()``.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvstore.memory.device import CudaRuntime, DeviceBuffer
 
 
 class TransportFailure(Exception):
@@ -51,17 +56,75 @@ class PayloadDigest(Protocol):
         ...
 
 
+class Regions(Protocol):
+    """The daemon's segments mapped into this process (the same-host paths)."""
+
+    def region(self, segment: int, offset: int, length: int) -> memoryview:
+        """A writable view of ``[offset, +length)`` of ``segment`` (mapped on first use); TransportFailure if
+        the daemon named a segment or bounds it did not announce."""
+        ...
+
+
+class DevicePath(Protocol):
+    """Moves device buffers to and from a same-host daemon's memory. Copies run on the buffer's stream and have
+    completed when a call returns."""
+
+    def describe(self) -> str:
+        """How device buffers move (``stats()["device_path"]``)."""
+        ...
+
+    def reserve_device(self, channel: Channel, request: dict) -> dict:
+        """Ask the daemon for the region of the put ``request`` (with this path's fields); its reply: the pending
+        put (``put_id``) and where its bytes go."""
+        ...
+
+    def write_device(self, channel: Channel, reply: dict, src: DeviceBuffer) -> None:
+        """Copy ``src`` into the region ``reply`` names. On failure the caller aborts the put."""
+        ...
+
+    def get_into_device(self, channel: Channel, request: dict, dst: Callable[[dict], DeviceBuffer]) -> dict:
+        """Read the object named in ``request`` into ``dst(reply)``; return the reply."""
+        ...
+
+    def pin_address(self, runtime: CudaRuntime, address: int, length: int) -> bool:
+        """Page-lock the mapped memory holding ``[address, +length)``; True if it is pinned."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
 class Transport(Protocol):
-    """Client side of one data path."""
+    """Client side of one data path. It moves bytes between a caller's buffer and a region of a daemon segment;
+    the put sequence around it (reserve, move, then commit, or leave pending, or abort) is the client's.
+
+    A put is two calls: ``reserve`` sends the put request with this path's fields and returns the daemon's reply
+    (the pending put's ``put_id`` and where its bytes go), then ``write`` moves the payload there. On a path
+    whose bytes follow the request on the control connection (``on_connection``: the stream path) ``reserve``
+    sends them too, and the daemon's reply is the committed put unless the request is deferred."""
 
     name: str
+    #: a put's bytes follow its request on the control connection, and a get's follow the reply: the connection's
+    #: payload compression applies to them
+    on_connection: bool
 
-    def put(self, channel: Channel, request: dict, src: memoryview, checksum: PayloadDigest) -> dict:
-        """Store ``src`` under the (already validated) ``request``; return the commit reply. ``checksum()``
-        is the payload's digest, recorded at commit; a path that copies the bytes itself may use
-        ``checksum.copy_into`` to hash them in the same pass.
-        With ``request["defer"]`` the put is left pending: return ``{"put_id", "checksum"}`` and the caller
-        commits it with others (``commit_many``)."""
+    def regions(self) -> Regions | None:
+        """The daemon's segments mapped here (puts written in place, reads without a copy); None on a path that
+        cannot map them."""
+        ...
+
+    def device_path(self) -> DevicePath:
+        """What moves device buffers on this path (owned and closed by the transport); TransportUnavailable on a
+        path that moves host memory only."""
+        ...
+
+    def reserve(self, channel: Channel, request: dict, src: memoryview, checksum: PayloadDigest) -> dict:
+        """Send the (already validated) put ``request`` with this path's fields; return the daemon's reply."""
+        ...
+
+    def write(self, channel: Channel, reply: dict, src: memoryview, checksum: PayloadDigest) -> None:
+        """Move ``src`` into the region ``reply`` names; a path that copies the bytes itself may hash them in the
+        same pass (``checksum.copy_into``). On failure the caller aborts the put (nothing becomes visible)."""
         ...
 
     def get_into(self, channel: Channel, request: dict, dst: Callable[[dict], memoryview]) -> dict:
@@ -70,6 +133,12 @@ class Transport(Protocol):
 
     def close(self) -> None:
         ...
+
+
+def host_only(name: str) -> str:
+    """Why a path that never maps the daemon's memory cannot move device buffers."""
+    return (f"the {name} transport moves host memory only; device buffers need a daemon on this host (transport "
+            "'auto', 'cuda_ipc' or 'shm')")
 
 
 _REGISTRY: dict[str, Callable[..., Transport]] = {}

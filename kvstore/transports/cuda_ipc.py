@@ -5,10 +5,10 @@ A device buffer (:class:`DeviceBuffer`: a device address, its length, its device
 CUDA runtime to use) moves to and from a same-host daemon in one of two ways:
 
 * ``cuda_ipc`` (:class:`CudaIpcTransport`; the daemon holds GPU segments, ``kvstore serve --gpu-capacity``). A
-  put asks for a region of a GPU segment (op ``cuda_put``), copies device-to-device into it through the
-  segment's CUDA IPC mapping, and commits. A get (op ``cuda_get``) leases the object and copies it out the same
-  way; an object the daemon holds in host memory is copied host-to-device from the mapped shared memory instead.
-  Host buffers on this transport take the ``shm`` path unchanged (a GPU-resident object read into a host buffer
+  put asks for a region of a GPU segment (op ``cuda_put``) and copies device-to-device into it through the
+  segment's CUDA IPC mapping; the client commits it. A get (op ``cuda_get``) leases the object and copies it out
+  the same way; an object the daemon holds in host memory is copied host-to-device from the mapped shared memory
+  instead. Host buffers on this transport take the ``shm`` path unchanged (a GPU-resident object read into a host buffer
   is staged into shared memory by the daemon).
 * ``shm`` with device buffers (:class:`ShmDevicePath`; any same-host daemon, no GPU needed on its side):
   device-to-host into the mapped shared-memory region, and host-to-device back.
@@ -33,25 +33,11 @@ from __future__ import annotations
 import importlib.util
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from kvstore.memory.device import CudaRuntime, DeviceBuffer, address_of  # noqa: F401  (re-exported)
-from kvstore.transports.base import Channel, TransportFailure, TransportUnavailable, register, unavailable
-from kvstore.transports.shm import ShmTransport
-
-
-def _cuda(what: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """Call the runtime, turning its errors into TransportFailure."""
-    try:
-        return fn(*args)
-    except (RuntimeError, ValueError, OSError) as exc:
-        raise TransportFailure(f"{what} failed: {exc}") from None
-
-
-def _finish_put(channel: Channel, request: dict, reply: dict, checksum: Callable[[], int | None]) -> dict:
-    if request.get("defer"):  # the caller commits a whole batch at once
-        return {"put_id": reply["put_id"], "checksum": checksum()}
-    return channel.call({"op": "commit", "put_id": reply["put_id"], "checksum": checksum()})
+from kvstore.transports.base import Channel, TransportFailure, register, unavailable
+from kvstore.transports.shm import ShmDevicePath, ShmTransport
+from kvstore.transports.shm import cuda_call as _cuda
 
 
 class _IpcMappings:
@@ -90,100 +76,6 @@ class _IpcMappings:
 IPC_MAPPINGS = _IpcMappings()
 
 
-class ShmDevicePath:
-    """Device buffers through the shared memory a :class:`ShmTransport` maps: one device-to-host copy into the
-    region of a put, one host-to-device copy out of the region of a get."""
-
-    name = "shm"
-
-    def __init__(self, shm: ShmTransport):
-        self._shm = shm
-        self._lock = threading.Lock()
-        self._pinned: dict[int, tuple[int, CudaRuntime]] = {}  # segment -> (base address, runtime)
-        self._unpinned: dict[int, str] = {}  # segment -> why it could not be registered
-
-    def describe(self) -> str:
-        state = "pinned" if self._pinned and not self._unpinned else "unpinned" if self._unpinned else "not used yet"
-        return f"{self.name}: device<->host copies through shared memory ({state})"
-
-    def put_device(self, channel: Channel, request: dict, src: DeviceBuffer,
-                   checksum: Callable[[], int | None]) -> dict:
-        reply = channel.call({**request, "mode": "region"})
-        try:
-            self.copy_to_region(src, reply["segment"], reply["offset"])
-        except BaseException:
-            channel.call({"op": "abort", "put_id": reply["put_id"]})
-            raise
-        return _finish_put(channel, request, reply, checksum)
-
-    def get_into_device(self, channel: Channel, request: dict, dst: Callable[[dict], DeviceBuffer]) -> dict:
-        reply = channel.call({**request, "mode": "region"})
-        try:
-            out = dst(reply)
-            self.copy_from_region(out, reply["segment"], reply["offset"], reply["size"])
-        finally:
-            channel.call({"op": "release", "lease": reply["lease"], "noreply": True})
-        return reply
-
-    def copy_to_region(self, src: DeviceBuffer, segment: int, offset: int) -> None:
-        if len(src):
-            dst = self._region_address(src.runtime, segment, offset, len(src))
-            _cuda("device-to-host copy", src.runtime.copy_and_wait, dst, src.ptr, len(src), src.device, src.stream)
-
-    def copy_from_region(self, dst: DeviceBuffer, segment: int, offset: int, size: int) -> None:
-        if size > len(dst):
-            raise TransportFailure(f"object of {size} bytes does not fit the device buffer of {len(dst)}")
-        if size:
-            src = self._region_address(dst.runtime, segment, offset, size)
-            _cuda("host-to-device copy", dst.runtime.copy_and_wait, dst.ptr, src, size, dst.device, dst.stream)
-
-    def _region_address(self, runtime: CudaRuntime, segment: int, offset: int, length: int) -> int:
-        view = self._shm.region(segment, offset, length)  # maps the segment and checks the bounds
-        try:
-            if segment not in self._pinned and segment not in self._unpinned:
-                self._pin(runtime, segment)
-            return address_of(view)
-        finally:
-            view.release()
-
-    def pin_address(self, runtime: CudaRuntime, address: int, length: int) -> bool:
-        """Page-lock the mapped segment holding ``[address, +length)`` (once per segment, as device copies do);
-        True if it is pinned. For callers that copy into reserved or leased views themselves."""
-        for segment, seg in list(self._shm._maps.items()):
-            base = address_of(seg.buf)
-            if base <= address and address + length <= base + seg.size:
-                if segment not in self._pinned and segment not in self._unpinned:
-                    self._pin(runtime, segment)
-                return segment in self._pinned
-        return False
-
-    def _pin(self, runtime: CudaRuntime, segment: int) -> None:
-        with self._lock:
-            if segment in self._pinned or segment in self._unpinned:
-                return
-            size = self._shm.segment_size(segment)
-            whole = self._shm.region(segment, 0, size)
-            try:
-                base = address_of(whole)
-                runtime.host_register(base, size)
-            except (RuntimeError, ValueError, OSError) as exc:
-                self._unpinned[segment] = str(exc)  # still correct, just staged by the driver
-            else:
-                self._pinned[segment] = (base, runtime)
-            finally:
-                whole.release()
-
-    def close(self) -> None:
-        """Unregister the pinned segments; call before the shared memory is unmapped."""
-        with self._lock:
-            pinned, self._pinned = self._pinned, {}
-        for base, runtime in pinned.values():
-            try:
-                runtime.host_unregister(base)
-            except (RuntimeError, ValueError, OSError):
-                pass  # the mapping goes away next either way
-
-
 class CudaIpcTransport(ShmTransport):
     """Client side of ``cuda_ipc``: the shm path for host buffers, plus device buffers to and from the daemon's
     GPU segments by CUDA IPC (and to and from its host segments by :class:`ShmDevicePath`)."""
@@ -204,22 +96,21 @@ class CudaIpcTransport(ShmTransport):
         return self._host.pin_address(runtime, address, length)
 
     # ---- device buffers -----------------------------------------------------------------------------
-    def put_device(self, channel: Channel, request: dict, src: DeviceBuffer,
-                   checksum: Callable[[], int | None]) -> dict:
+    def device_path(self) -> CudaIpcTransport:
+        return self
+
+    def reserve_device(self, channel: Channel, request: dict) -> dict:
         fields = {k: v for k, v in request.items() if k not in ("op", "mode")}
-        reply = channel.call({**fields, "op": "cuda_put"})
-        try:
-            if reply["tier"] == "gpu":
-                dst = self._gpu_address(channel, src.runtime, reply["segment"], reply["offset"], len(src))
-                if len(src):
-                    _cuda("device-to-device copy into the daemon's GPU segment", src.runtime.copy_and_wait, dst,
-                          src.ptr, len(src), src.device, src.stream)
-            else:
-                self._host.copy_to_region(src, reply["segment"], reply["offset"])
-        except BaseException:
-            channel.call({"op": "abort", "put_id": reply["put_id"]})
-            raise
-        return _finish_put(channel, request, reply, checksum)
+        return channel.call({**fields, "op": "cuda_put"})
+
+    def write_device(self, channel: Channel, reply: dict, src: DeviceBuffer) -> None:
+        if reply["tier"] != "gpu":
+            self._host.copy_to_region(src, reply["segment"], reply["offset"])
+            return
+        dst = self._gpu_address(channel, src.runtime, reply["segment"], reply["offset"], len(src))
+        if len(src):
+            _cuda("device-to-device copy into the daemon's GPU segment", src.runtime.copy_and_wait, dst, src.ptr,
+                  len(src), src.device, src.stream)
 
     def get_into_device(self, channel: Channel, request: dict, dst: Callable[[dict], DeviceBuffer]) -> dict:
         reply = channel.call({"op": "cuda_get", "key": request["key"]})
@@ -270,17 +161,6 @@ class CudaIpcTransport(ShmTransport):
                 pass  # closing anyway; the mapping goes with the process at worst
         self._host.close()  # before super() unmaps the shared memory
         super().close()
-
-
-def device_path(transport: Any) -> CudaIpcTransport | ShmDevicePath:
-    """The object that moves device buffers for a connection's data path ``transport`` (TransportUnavailable
-    when that path cannot: only same-host paths map the daemon's memory)."""
-    if isinstance(transport, CudaIpcTransport):
-        return transport
-    if isinstance(transport, ShmTransport):
-        return ShmDevicePath(transport)
-    raise TransportUnavailable(f"the {getattr(transport, 'name', '?')} transport moves host memory only; device "
-                               "buffers need a daemon on this host (transport 'auto', 'cuda_ipc' or 'shm')")
 
 
 # Device buffers come from torch CUDA tensors: a process without torch has none to offer this transport for.

@@ -8,21 +8,16 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
-from kvstore.transports.base import Channel, PayloadDigest, TransportFailure, register
-
-#: socket buffer size asked for on data connections; large payloads move in fewer system calls
-SOCKET_BUFFER = 4 << 20
-
-
-def tune(sock: socket.socket) -> None:
-    """Low latency for control frames, large kernel buffers for payloads."""
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        except OSError:
-            pass
+from kvstore.transports.base import (
+    Channel,
+    DevicePath,
+    PayloadDigest,
+    TransportFailure,
+    TransportUnavailable,
+    host_only,
+    register,
+)
+from kvstore.transports.sockets import tune as tune  # re-exported for the daemon and tools
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -39,17 +34,28 @@ class StreamTransport:
     """Client side of the stream path: one round trip per put or get, payload inline on the connection."""
 
     name = "tcp"
+    on_connection = True
 
     def __init__(self, segments: dict | None = None):
         del segments  # the stream path never maps daemon memory
 
-    def put(self, channel: Channel, request: dict, src: memoryview, checksum: PayloadDigest) -> dict:
-        # No hashing pass here: the daemon hashes the payload as it lands (each piece while in its cache) and
-        # replies with the digest. A digest the caller already has goes along and the daemon checks it.
+    def regions(self) -> None:
+        return None
+
+    def device_path(self) -> DevicePath:
+        raise TransportUnavailable(host_only(self.name))
+
+    def reserve(self, channel: Channel, request: dict, src: memoryview, checksum: PayloadDigest) -> dict:
+        # The bytes follow the request: the daemon writes them and, unless the put is deferred, commits it in this
+        # round trip. No hashing pass here: the daemon hashes the payload as it lands (each piece while in its
+        # cache) and replies with the digest. A digest the caller already has goes along and the daemon checks it.
         reply = channel.call({**request, "mode": "stream", "checksum": checksum.known}, payload=src)
         if reply.get("checksum") is not None:
             checksum.record(reply["checksum"])
         return reply
+
+    def write(self, channel: Channel, reply: dict, src: memoryview, checksum: PayloadDigest) -> None:
+        pass  # the bytes went with the request
 
     def get_into(self, channel: Channel, request: dict, dst: Callable[[dict], memoryview]) -> dict:
         return channel.call({**request, "mode": "stream"}, into=dst)

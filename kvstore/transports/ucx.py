@@ -54,7 +54,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.transports.base import Channel, TransportFailure, TransportUnavailable, register, unavailable
+from kvstore.transports.base import (
+    Channel,
+    DevicePath,
+    PayloadDigest,
+    TransportFailure,
+    TransportUnavailable,
+    host_only,
+    register,
+    unavailable,
+)
 
 #: transfer tags are random and below this bound; the bit above marks the daemon's wire-up message
 TAG_LIMIT = 1 << 62
@@ -103,6 +112,7 @@ class UcxTransport:
     calling thread (blocking on the worker's event fd while a transfer is in flight, no progress thread)."""
 
     name = "ucx"
+    on_connection = False
 
     def __init__(self, segments: dict | None = None, *, connect: str | None = None):
         del segments  # the UCX path never maps daemon memory
@@ -119,24 +129,34 @@ class UcxTransport:
         except Exception as exc:
             raise TransportUnavailable(f"cannot start a UCX worker: {type(exc).__name__}: {exc}") from None
         self._endpoint: Any = None
+        self._connects = 0  # endpoints opened so far: names the current one
         self.via: str | None = None  # "address" or "listener" once connected
         self.timeout = DEFAULT_TIMEOUT
 
     # ---- Transport ----------------------------------------------------------------------------------
-    def put(self, channel: Channel, request: dict, src: memoryview, checksum: Callable[[], int]) -> dict:
+    def regions(self) -> None:
+        return None
+
+    def device_path(self) -> DevicePath:
+        raise TransportUnavailable(host_only(self.name))
+
+    def reserve(self, channel: Channel, request: dict, src: memoryview, checksum: PayloadDigest) -> dict:
         with self._lock:
             reply = self._call(channel, {**request, "mode": "ucx"})
+            # the endpoint the daemon posted its receive on: the send must go through that one
+            return {**reply, "ucx_endpoint": self._connects}
+
+    def write(self, channel: Channel, reply: dict, src: memoryview, checksum: PayloadDigest) -> None:
+        with self._lock:
+            if self._endpoint is None or reply["ucx_endpoint"] != self._connects:
+                raise TransportFailure("the UCX endpoint this put was reserved on is gone")  # another thread's failure
             try:
                 what = f"send of {len(src)} bytes"
                 self._wait(self._post(self._endpoint.tag_send, what, self._array(src),
                                       self._lib.UCXXTag(reply["tag"])), what)
             except BaseException:
                 self._disconnect()  # nothing of ours may stay posted; the daemon cancels its receive on abort
-                channel.call({"op": "abort", "put_id": reply["put_id"]})
                 raise
-        if request.get("defer"):  # the caller commits a whole batch at once
-            return {"put_id": reply["put_id"], "checksum": checksum()}
-        return channel.call({"op": "commit", "put_id": reply["put_id"], "checksum": checksum()})
 
     def get_into(self, channel: Channel, request: dict, dst: Callable[[dict], memoryview]) -> dict:
         with self._lock:
@@ -190,6 +210,7 @@ class UcxTransport:
         except BaseException:
             self._disconnect()
             raise
+        self._connects += 1
         self.via = reply["via"]
 
     def _open_endpoint(self, channel: Channel, reply: dict) -> None:

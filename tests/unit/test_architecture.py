@@ -307,3 +307,50 @@ def test_the_mixin_check_sees_mixins():
                      "kvstore.daemon.ops.A is only ever inherited from (a mixin)",
                      "kvstore.daemon.ops.A.f takes self as 'Host'",
                      "kvstore.daemon.ops.B is only ever inherited from (a mixin)"]
+
+
+#: What the client may import of the transports package: the interface (Protocols, registry, errors) and the
+#: socket helpers. Every other module there is one concrete data path (or its daemon side).
+TRANSPORT_INTERFACE = {"kvstore.transports", "kvstore.transports.base", "kvstore.transports.sockets"}
+
+
+def _transport_classes() -> set[str]:
+    """Names of the classes the transports package defines (the concrete paths and the Protocols alike)."""
+    names: set[str] = set()
+    for path in (ROOT / "kvstore" / "transports").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and not node.name.endswith(("Failure", "Unavailable")):
+                names.add(node.name)
+    return names
+
+
+def _isinstance_over(tree: ast.AST, classes: set[str]) -> list[str]:
+    """``isinstance`` / ``issubclass`` calls in ``tree`` whose class argument names one of ``classes``."""
+    found = []
+    for node in ast.walk(tree):
+        is_check = isinstance(node, ast.Call) and ast.unparse(node.func) in ("isinstance", "issubclass")
+        if is_check and len(node.args) == 2:
+            named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+            named |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+            if named & classes:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_client_knows_no_concrete_transport(graph):
+    """The client picks its write strategy from what the transport says it supports (``regions()``,
+    ``device_path()``, ``on_connection``), never from which transport it is: a new transport touches one file."""
+    wrong = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith("kvstore.client")
+                   for t in ts if t.startswith("kvstore.transports") and t not in TRANSPORT_INTERFACE)
+    assert not wrong, f"client modules that import a concrete transport: {wrong}"
+    classes = _transport_classes()
+    branches = {str(p.relative_to(ROOT)): hits for p in (ROOT / "kvstore" / "client").glob("*.py")
+                if (hits := _isinstance_over(ast.parse(p.read_text(), str(p)), classes))}
+    assert not branches, f"the client branches on transport classes: {branches}"
+
+
+def test_the_transport_check_sees_isinstance():
+    classes = _transport_classes()
+    assert {"ShmTransport", "StreamTransport", "CudaIpcTransport"} <= classes
+    source = "if isinstance(self._data, (shm.ShmTransport, int)):\n    pass\nisinstance(h, Staged)\n"
+    assert _isinstance_over(ast.parse(source), classes) == ["line 1: isinstance(self._data, (shm.ShmTransport, int))"]
