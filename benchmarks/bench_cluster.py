@@ -6,7 +6,9 @@ and directory latency, against a real redis-server started for the run.
 One client process per daemon, each homed on its daemon (placement local). Phases, all clients at once:
 ``put`` (each into its own daemon), ``bput`` (the same through ``batch_put``, 32 objects per call), ``get``
 (each reads the objects of the next daemon: remote when there are several), ``bget`` (the same through
-``batch_get_into``, 32 keys per call). Per op: ``client RT`` counts the client's own directory calls,
+``batch_get_into``, 32 keys per call), ``hget`` (each reads its own objects back through the cluster client: the
+home daemon's, over shared memory with ``--transport auto``), ``uget`` (the same through a plain client of its
+daemon's Unix socket, always over shared memory). Per op: ``client RT`` counts the client's own directory calls,
 ``daemon RT`` the daemons' flushes and lookups, ``redis RT`` every request Redis received (heartbeats and
 health checks included), ``redis cmds`` every command it executed, those inside the directory scripts too,
 and ``redis us`` the CPU time Redis spent on them (INFO commandstats): the load a request puts on Redis.
@@ -37,7 +39,7 @@ from kvstore.units import format_size, parse_size
 from kvstore.workloads.stats import percentiles
 
 BATCH = 32
-PHASES = ("put", "bput", "get", "bget")
+PHASES = ("put", "bput", "get", "bget", "hget", "uget")
 # commands a client sends itself (one round trip each); everything else runs inside the directory scripts
 _TOP_LEVEL = ("evalsha", "eval", "scan", "ping", "subscribe", "script", "client", "hello", "select", "auth")
 
@@ -68,7 +70,8 @@ def redis_server(workdir: str):
 
 @contextlib.contextmanager
 def daemons(n: int, redis_port: int, namespace: str, capacity: str, transport: str, workdir: str):
-    """``n`` cluster daemons on loopback TCP ports; yields their node ids once all have joined."""
+    """``n`` cluster daemons on loopback TCP ports and Unix sockets; yields {node id: unix URL} once all have
+    joined."""
     import redis
 
     nodes, names = [], [f"n{i}" for i in range(n)]
@@ -77,7 +80,7 @@ def daemons(n: int, redis_port: int, namespace: str, capacity: str, transport: s
         for name in names:
             args = ("--cluster", f"redis://127.0.0.1:{redis_port}/0", "--node-id", name, "--cluster-namespace",
                     namespace, "--peer-transport", peer)
-            nodes.append(Daemon(workdir, capacity=capacity, unix=False, args=args, log_level="warning",
+            nodes.append(Daemon(workdir, capacity=capacity, args=args, log_level="warning",
                                 log_path=os.path.join(workdir, f"{namespace}-{name}.log")).start(timeout=60))
         client = redis.Redis(port=redis_port)
         deadline = time.monotonic() + 60
@@ -85,7 +88,7 @@ def daemons(n: int, redis_port: int, namespace: str, capacity: str, transport: s
             if time.monotonic() > deadline or not all(d.running() for d in nodes):
                 raise RuntimeError(f"daemons did not join; logs in {workdir}")
             time.sleep(0.05)
-        yield names
+        yield {name: d.unix_url for name, d in zip(names, nodes, strict=True)}
     finally:
         for d in nodes:
             d.terminate(signal.SIGTERM, timeout=30)
@@ -102,11 +105,12 @@ def commands(client) -> tuple[int, int, int]:
 
 
 # ---- one client process ------------------------------------------------------------------------------
-def worker(url: str, mine: str, theirs: str, ops: int, size: int, transport: str) -> None:
+def worker(url: str, unix_url: str, mine: str, theirs: str, ops: int, size: int, transport: str) -> None:
     """Runs phases named on stdin; answers each with a JSON line {seconds, round_trips}."""
     import kvstore
 
     store = kvstore.connect(url, transport=transport, timeout=30)
+    plain = kvstore.connect(unix_url, timeout=30)  # same host: shared memory
     value = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
     buf = np.empty(size, dtype=np.uint8)
     print("ready", flush=True)
@@ -129,18 +133,26 @@ def worker(url: str, mine: str, theirs: str, ops: int, size: int, transport: str
             for start in range(0, ops, BATCH):
                 keys = [f"{theirs}/{i}" for i in range(start, min(ops, start + BATCH))]
                 store.batch_get_into(keys, outs[:len(keys)])
+        elif phase == "hget":
+            for i in range(ops):
+                store.get_into(f"{mine}/{i}", buf)
+        elif phase == "uget":
+            for i in range(ops):
+                plain.get_into(f"{mine}/{i}", buf)
         print(json.dumps({"seconds": time.perf_counter() - began, "round_trips": store.redis_round_trips - before}),
               flush=True)
+    plain.close()
     store.close()
 
 
 def run_cluster(n: int, port: int, rds, args, workdir: str) -> tuple[list[dict], dict]:
     namespace = f"bench{n}"
     rows = []
-    with daemons(n, port, namespace, args.capacity, args.transport, workdir) as names:
+    with daemons(n, port, namespace, args.capacity, args.transport, workdir) as unix_urls:
+        names = list(unix_urls)
         base = f"kvcluster://127.0.0.1:{port}/0?namespace={namespace}"
         clients = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_cluster", "--worker", base + f"&node={m}",
-                                     f"k/{m}", f"k/{names[(i + 1) % n]}", str(args.ops), str(args.size),
+                                     unix_urls[m], f"k/{m}", f"k/{names[(i + 1) % n]}", str(args.ops), str(args.size),
                                      args.transport], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                    for i, m in enumerate(names)]
         try:
@@ -228,7 +240,7 @@ def print_table(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", nargs=6, metavar=("URL", "MINE", "THEIRS", "OPS", "SIZE", "TRANSPORT"),
+    parser.add_argument("--worker", nargs=7, metavar=("URL", "UNIX_URL", "MINE", "THEIRS", "OPS", "SIZE", "TRANSPORT"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--nodes", default="1,2,3", help="cluster sizes to run (default %(default)s)")
     parser.add_argument("--size", default="64KiB", help="object size (default %(default)s)")
@@ -239,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.worker:
-        url, mine, theirs, ops, size, transport = args.worker
-        worker(url, mine, theirs, int(ops), int(size), transport)
+        url, unix_url, mine, theirs, ops, size, transport = args.worker
+        worker(url, unix_url, mine, theirs, int(ops), int(size), transport)
         return 0
     if shutil.which("redis-server") is None:
         print("bench_cluster needs redis-server on PATH (apt-get install -y redis-server)", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 Small objects (up to ``INLINE_MAX``) travel inline on the control connection: one round trip. Larger ones
 take the negotiated transport (``shm``: one copy into or out of the mapped segment). On the same host a
-``get_into`` first tries the daemon's shared-memory index: no round trip at all.
+``get_into`` first tries the daemon's shared-memory index: no round trip at all (not for a cluster member: its
+index may show a version the directory no longer lists, so its clients ask it).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class RemoteStore(KVStore):
         self._waiter_lock = threading.Lock()
         self._index: IndexReader | None = None
         self._index_shm: SharedMemory | None = None
+        self._index_direct = True  # whether a get may answer from the index without asking anyone
         self._device: DirectDeviceMemory | None = None  # built on first use of device memory
         self._device_reason = ""  # why this connection cannot move device memory, once known
         self._inline: Transport = transports.get("tcp")({})  # the stream path: small objects, whatever the data path
@@ -116,6 +118,11 @@ class RemoteStore(KVStore):
         lease = hello.get("index_lease_s") or max(5.0, float(hello["heartbeat_s"]))
         self._index = IndexReader(self._index_shm.buf, regions.region, hello.get("generation"),
                                   stale_after=float(lease))
+        # a cluster member's index shows what it holds, not what the directory still lists: a member stopped
+        # before it heard of a removal or a newer write elsewhere would show the old version, so its plain
+        # clients ask it (a stopped member cannot answer: a timeout, never stale bytes); only the cluster
+        # client reads it, for the version a directory lookup listed
+        self._index_direct = bool(hello.get("index_direct", True))
         if hello.get("arena_bytes"):
             self._arenas = ArenaWriter(self._conn, regions, hello["arena_bytes"])
 
@@ -179,7 +186,7 @@ class RemoteStore(KVStore):
             self._writes.abort(handles, quiet)
 
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
-        if self._index is not None:
+        if self._index is not None and self._index_direct:
             # no round trip, so check the daemon's life here: a dead daemon's index must never answer
             self._conn.check_alive()
             hit = self._index.read_into(key, fit)

@@ -3,8 +3,9 @@
 A ``NodeClient`` is a RemoteStore of one member that reads only what that member holds itself (``peer_get``):
 the serving daemon never resolves the key again through the directory, so a stale entry cannot bounce a
 request between nodes. On the same host the data path is the member's shared memory (its index answers without
-a round trip); elsewhere the stream path over TCP, straight into the caller's buffer. Connections of an epoch
-that is gone (the member restarted) are never reused: an old mapping would show the old daemon's memory.
+a round trip, for the version a directory lookup just listed); elsewhere the stream path over TCP, straight into
+the caller's buffer. Connections of an epoch that is gone (the member restarted) are never reused: an old
+mapping would show the old daemon's memory.
 """
 
 from __future__ import annotations
@@ -30,20 +31,17 @@ class NodeClient(RemoteStore):
         self.expected_node = node  # the daemon at addr must prove it is this node (and knows the token)
         super().__init__(addr, **options)
 
-    def read_index(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int, int] | None:
-        """Copy ``key`` through the member's shared-memory index (no round trip): (size, version, checksum),
-        or None when there is no index here (another host) or it does not list the key."""
-        return None if self._index is None else self._index.read_into(key, fit)
-
     def fetch_into(self, key: str, alloc: Callable[[int], memoryview], expect=None) -> ObjectMeta:
         """Copy the member's own copy of ``key`` into ``alloc(size)``; return its metadata.
 
         ``expect`` (a directory entry) lets a same-host read skip the round trip when the index shows that
-        very version, and gives the checksum of that version (the directory's, for ``verify``).
+        very version, and gives the checksum of that version (the directory's, for ``verify``). The index is
+        read for no other version: what it shows may be what the directory no longer holds (a member stopped
+        before it heard of a removal or a newer write elsewhere), the entry just read is not.
         KeyNotFoundError if the member does not hold the key."""
         if expect is not None and self._index is not None:
-            hit = self._index.read_into(key, alloc)
-            if hit is not None and hit[1] == expect.version and hit[0] == expect.size:
+            hit = self._index.read_into(key, alloc, expect.version)
+            if hit is not None and hit[0] == expect.size:
                 return expect.meta
         try:
             with self._conn.bounded(self.read_timeout):  # a stalled owner costs the peer timeout, not more

@@ -199,11 +199,13 @@ class IndexReader:
             idx = (idx + 1) & self.mask
         return None
 
-    def read_into(self, key: str, out: Callable[[int], memoryview]) -> tuple[int, int, int] | None:
+    def read_into(self, key: str, out: Callable[[int], memoryview],
+                  only: int | None = None) -> tuple[int, int, int] | None:
         """Copy the object into ``out(size)``'s view; return (size, version, checksum) or None to fall back.
 
         ``out`` is called with the object's size and returns a writable byte view (it may raise, e.g.
-        BufferTooSmallError, before anything is written)."""
+        BufferTooSmallError, before anything is written). ``only``: copy only that version (another one shown
+        now is None, with nothing written)."""
         if not self.trusted():
             return None
         for _ in range(self.MAX_RETRIES):
@@ -218,6 +220,8 @@ class IndexReader:
             if seq & 1 or SEQ.unpack_from(self.buf, base)[0] != seq:
                 continue  # fields may be torn: read again before acting on them
             if expires and time.monotonic() >= expires:
+                return None
+            if only is not None and version != only:
                 return None
             try:
                 src = self._region(segment, slot[6], size)

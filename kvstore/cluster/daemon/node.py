@@ -13,7 +13,9 @@ stale is served. A record that expired because Redis did not answer us (Redis st
 it) while we kept trying is not that: our entries were kept dormant, so we re-register under the same epoch and
 drop only the copies that the directory says were superseded or removed meanwhile. Redis losing its data
 (restart without persistence) is different again: we re-register under the same epoch and republish every
-object we hold (the directory is rebuilt from the daemons' own indexes).
+object we hold (the directory is rebuilt from the daemons' own indexes). After any stall (a SIGSTOP however
+short, or the loop idle for over ``STALL_S``) requests wait until we re-checked our entries against the
+directory (``_stalled``): the events of removals and newer writes elsewhere may still be unread then.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import signal
 import time
 
 from kvstore.cluster.config import ClusterConfig, open_redis, redact
@@ -37,6 +40,8 @@ from kvstore.errors import ObjectBusyError
 
 log = logging.getLogger("kvstore.cluster")
 WAIT_RECHECK_S = 1.0  # a waiter re-reads the directory this often, in case an event was lost
+TICK_S = 0.2  # the event loop notes it ran this often ...
+STALL_S = 1.0  # ... and a gap this long means we were stopped (or starved): events may be unread
 
 
 class ClusterServer(Server):
@@ -55,9 +60,13 @@ class ClusterServer(Server):
         self._beat_task: asyncio.Task | None = None
         self._last_beat_try = -math.inf
         self._reconcile_due = False  # events may have been missed: check our entries after the next good beat
+        self._tick = time.monotonic()  # the event loop ran then (``_ticker``, and every request)
+        self._catch_up: asyncio.Future | None = None  # the check of our entries after a stall, while it runs
+        self._continued = False  # SIGCONT arrived: we were stopped, for however short a time
+        self._old_sigcont: object = None
         self._leaving = False
         self.counters = {"superseded": 0, "removed_by_peers": 0, "lapses": 0, "rebuilds": 0,
-                         "resumes": 0}
+                         "resumes": 0, "catch_ups": 0}
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -69,6 +78,12 @@ class ClusterServer(Server):
         self.events = EventListener(cfg.redis_url, cfg.redis_timeout, cfg.names.channel, self._on_event,
                                     self._on_resubscribed)
         self._beat_lock, self._poke = asyncio.Lock(), asyncio.Event()
+        try:
+            # a plain handler, not the loop's: it runs as soon as we are continued, before the loop reads any
+            # request that arrived while we were stopped
+            self._old_sigcont = signal.signal(signal.SIGCONT, self._on_sigcont)
+        except ValueError:
+            pass  # not the main thread: only the ticker sees stalls then
         await super().start()
         try:
             await self.membership.join(timeout=cfg.node_ttl + 5 * cfg.redis_timeout)
@@ -76,7 +91,7 @@ class ClusterServer(Server):
             await self.shutdown()
             raise
         self.publisher.activate()
-        for coro in (self.publisher.run(), self.events.run(), self._heartbeats(), self._upkeep()):
+        for coro in (self.publisher.run(), self.events.run(), self._heartbeats(), self._upkeep(), self._ticker()):
             self._spawn(coro)
         log.info("node %s joined cluster %s (namespace %s) with epoch %s, advertising %s", self.node_id,
                  redact(cfg.redis_url), cfg.namespace, self.membership.epoch, cfg.advertise)
@@ -94,6 +109,11 @@ class ClusterServer(Server):
                 log.warning("could not remove our node record (%s); it lapses within %.1f s", exc,
                             self.cluster.node_ttl)
         await super().shutdown()
+        if self._old_sigcont is not None:
+            try:
+                signal.signal(signal.SIGCONT, self._old_sigcont)  # type: ignore[arg-type]
+            except ValueError:
+                pass
         self.remote.close()
         try:
             await asyncio.wait_for(self.redis.aclose(), self.cluster.redis_timeout)
@@ -124,16 +144,47 @@ class ClusterServer(Server):
 
     async def ensure_fresh(self) -> None:
         """Before serving a request: if our record may have lapsed (e.g. we were stopped), heartbeat first, so
-        a lapse drops our objects before anyone reads them. Bounded; never raises. Not while Redis is known to
-        be failing us (we are cut off, not stalled: our objects stay ours, and waiting would only slow every
-        request by the Redis timeout)."""
+        a lapse drops our objects before anyone reads them; if we were stalled at all, re-check our entries
+        first (``_stalled``). Bounded; never raises. Not while Redis is known to be failing us (we are cut off,
+        not stalled: our objects stay ours, and waiting would only slow every request by the Redis timeout)."""
         if self.membership.fresh() or not self.membership.joined or self._leaving or self.membership.cut_off():
+            await self._caught_up()
             return
         if (self._beat_task is None or self._beat_task.done()) and \
                 time.monotonic() - self._last_beat_try >= self.cluster.heartbeat_period / 2:
             self._beat_task = asyncio.ensure_future(self.beat())
         if self._beat_task is not None and not self._beat_task.done():
             await asyncio.wait({self._beat_task}, timeout=self.cluster.redis_timeout)
+        await self._caught_up()
+
+    def _on_sigcont(self, signum: int, frame: object) -> None:
+        self._continued = True
+
+    async def _ticker(self) -> None:
+        while self._running():
+            self._stalled()
+            await asyncio.sleep(TICK_S)
+
+    def _stalled(self) -> asyncio.Future | None:
+        """The check of our entries against the directory that a stall calls for, while it runs. A node that
+        was stopped (SIGSTOP, a long pause) may hold requests that arrived meanwhile, and the events of keys
+        removed or rewritten elsewhere meanwhile may not be read yet when it resumes: whichever of this loop's
+        ticker or such a request runs first after the gap starts the check, and requests wait for it, so none
+        is answered with a copy the directory no longer lists. A stop is known exactly (SIGCONT); any other
+        stall (a VM pause, starvation) by the gap it leaves in the ticker's rounds (over ``STALL_S``)."""
+        now = time.monotonic()
+        stalled = self._continued or now - self._tick > STALL_S
+        self._continued = False
+        if stalled and self.membership.joined and not self._leaving:  # a check already running may predate it
+            self.counters["catch_ups"] += 1
+            self._catch_up = asyncio.ensure_future(self._reconcile())
+        self._tick = now
+        return self._catch_up if self._catch_up is not None and not self._catch_up.done() else None
+
+    async def _caught_up(self) -> None:
+        check = self._stalled()
+        if check is not None:
+            await asyncio.wait({check}, timeout=self.cluster.redis_timeout)
 
     async def beat(self) -> None:
         import redis

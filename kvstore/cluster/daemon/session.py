@@ -34,6 +34,10 @@ class ClusterSession(Session):
         # A same-host reader trusts our shared-memory index only this long after our last heartbeat in it: a
         # node stopped (SIGSTOP, a long pause) hears no supersede or removal, so its index must not outlive it
         reply["index_lease_s"] = INDEX_LEASE_S
+        # and even within the lease it shows what we hold, not what the directory still lists (we may not have
+        # heard of a removal or a newer write elsewhere yet): a plain client asks us instead of reading it, the
+        # cluster client reads it only for the version its directory lookup listed
+        reply["index_direct"] = False
         return reply
 
     async def _dispatch(self, message: dict) -> None:

@@ -5,7 +5,10 @@ redis-server and three ``kvstore serve --cluster`` daemons):
   (challenge-response both ways), a record advertising another node's address is refused (node identity in
   the handshake), and a member with another token is skipped by puts and reads and shown in stats;
 - a Redis stall longer than the node TTL loses no object (a node cut off from Redis keeps its objects and
-  epoch, and takes back what the directory says nobody superseded).
+  epoch, and takes back what the directory says nobody superseded);
+- a stopped owner never serves a key removed or rewritten elsewhere meanwhile, neither to a cluster client
+  homed on it (its shared-memory index answers only for the version the directory lists) nor to its own plain
+  clients (they ask the daemon, which cannot answer while stopped: a typed error within their timeout).
 """
 
 from __future__ import annotations
@@ -237,6 +240,95 @@ def test_stopped_owner_never_serves_superseded_or_removed_objects_to_same_host_r
         assert ("st/k1", b"new, written on B") in seen and ("st/k2", "KeyNotFoundError") in seen, seen
     finally:
         cluster.nodes["A"].send(signal.SIGCONT)
+
+
+def _outcome(read) -> object:
+    """What one read gave: its bytes, or the name of the typed error it raised; bounded (did not hang)."""
+    began = time.monotonic()
+    try:
+        return read()
+    except kvstore.KVStoreError as exc:
+        return type(exc).__name__
+    finally:
+        assert time.monotonic() - began < 30, "a read of a stopped owner's key hung"
+
+
+@pytest.mark.parametrize("reader_kind", ["cluster", "daemon-shm"])
+def test_stopped_owner_index_never_answers_for_a_key_removed_or_rewritten_meanwhile(cluster, reader_kind):
+    """Read at once, inside A's index lease: A's shared-memory index still shows both old versions."""
+    a = cluster.client("A")
+    for key, value in (("sr/rewritten", b"old"), ("sr/removed", b"removed"), ("sr/kept", b"kept")):
+        a.put(key, value)
+    if reader_kind == "cluster":
+        reader = cluster.client("A")  # homed on A: A's index is its first choice for A's keys
+    else:
+        reader = cluster.nodes["A"].connect("shm", timeout=2)
+        cluster.stores.append(reader)
+
+    def get(key: str) -> object:
+        buf = bytearray(64)
+        return bytes(buf[:reader.get_into(key, buf)])
+
+    def batch() -> object:
+        outs = [bytearray(64) for _ in range(3)]
+        sizes = reader.batch_get_into(["sr/kept", "sr/rewritten", "sr/removed"], outs)
+        return [bytes(o[:n]) for o, n in zip(outs, sizes, strict=True)]
+
+    assert [get(k) for k in ("sr/rewritten", "sr/removed", "sr/kept")] == [b"old", b"removed", b"kept"]
+    b = cluster.client("B")
+    assert b.exists("sr/kept")  # connected before A stops
+    cluster.nodes["A"].send(signal.SIGSTOP)
+    try:
+        b.put("sr/rewritten", b"new, written on B")
+        assert b.remove("sr/removed") is True
+        seen = {key: _outcome(lambda key=key: get(key)) for key in ("sr/rewritten", "sr/removed")}
+        seen["batch"] = _outcome(batch)
+        seen["kept"] = _outcome(lambda: get("sr/kept"))
+    finally:
+        cluster.nodes["A"].send(signal.SIGCONT)
+    assert seen["sr/rewritten"] != b"old" and seen["sr/removed"] != b"removed", seen
+    assert seen["batch"] not in ([b"kept", b"old", b"removed"], [b"kept", b"new, written on B", b"removed"]), seen
+    if reader_kind == "cluster":  # the directory has the answers: B's version, and no such key
+        assert seen["sr/rewritten"] == b"new, written on B" and seen["sr/removed"] == "KeyNotFoundError", seen
+        assert seen["batch"] == "KeyNotFoundError", seen  # the removed key fails the batch
+        assert seen["kept"] in (b"kept", "KeyNotFoundError"), seen  # A's index, or A unreachable
+    else:  # a plain client asks A, which cannot answer while stopped: a typed error within the client's timeout
+        assert set(seen.values()) <= {"StoreTimeoutError", "StoreConnectionError"}, seen
+    # A resumed (it may have been stopped past its TTL: then it dropped everything and rejoined): the plain client
+    # reads again (a new connection), and neither reader sees an old version
+    assert wait_until(lambda: _outcome(lambda: get("sr/rewritten")) == b"new, written on B", 30), cluster.logs()
+    assert _outcome(lambda: get("sr/removed")) == "KeyNotFoundError"
+    assert _outcome(lambda: get("sr/kept")) in (b"kept", "KeyNotFoundError")
+
+
+def test_reads_that_waited_through_a_stop_are_answered_with_what_the_directory_lists(cluster):
+    """Plain clients' reads sent to A while it is stopped wait for it; when it resumes they are answered only
+    after A re-checked its entries, even if the events of the removal and the newer write are not read yet."""
+    a = cluster.client("A")
+    a.put("rq/rewritten", b"old")
+    a.put("rq/removed", b"removed")
+    readers = {key: cluster.nodes["A"].connect("shm", timeout=30) for key in ("rq/rewritten", "rq/removed")}
+    cluster.stores.extend(readers.values())
+    assert [bytes(r.get(k)) for k, r in readers.items()] == [b"old", b"removed"]
+    catch_ups = readers["rq/removed"].stats()["cluster"]["catch_ups"]
+    b = cluster.client("B")
+    assert b.exists("rq/removed")  # connected before A stops
+    seen: dict[str, object] = {}
+    threads = [threading.Thread(target=lambda k=k, r=r: seen.__setitem__(k, _outcome(lambda: bytes(r.get(k)))))
+               for k, r in readers.items()]
+    cluster.nodes["A"].send(signal.SIGSTOP)
+    try:
+        b.put("rq/rewritten", b"new, written on B")
+        assert b.remove("rq/removed") is True
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # the condition under test: the reads reach A while it is stopped
+    finally:
+        cluster.nodes["A"].send(signal.SIGCONT)
+    for t in threads:
+        t.join(60)
+    assert seen == {"rq/rewritten": b"new, written on B", "rq/removed": "KeyNotFoundError"}, seen
+    assert readers["rq/removed"].stats()["cluster"]["catch_ups"] > catch_ups
 
 
 def test_unix_client_reconnects_after_a_timed_out_remote_get(cluster):

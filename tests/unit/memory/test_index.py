@@ -27,6 +27,22 @@ def read(reader, key, size=4096):
     return None if hit is None else (bytes(out[:hit[0]]), hit[1], hit[2])
 
 
+def test_read_of_one_version_copies_nothing_when_another_is_shown():
+    w, r, mem = make()
+    mem.data[100:103] = b"new"
+    w.publish("a", version=8, segment=0, offset=100, size=3, expires=None, checksum=5)
+    out = bytearray(b"untouched")
+    calls = []
+
+    def fit(n):
+        calls.append(n)
+        return memoryview(out)
+
+    assert r.read_into("a", fit, only=7) is None  # the caller listed version 7: 8 is not it
+    assert calls == [] and out == b"untouched"
+    assert r.read_into("a", fit, only=8) == (3, 8, 5) and out[:3] == b"new"
+
+
 def test_publish_read_unpublish():
     w, r, mem = make()
     mem.data[100:105] = b"hello"
