@@ -87,9 +87,8 @@ class Session:
         self.ucx = UcxOps(self)
         self.gpu = GpuOps(self)
         self.arena = ArenaOps(self, self.ucx)
-        disk = getattr(ctx, "disk", None)
-        self.disk = DiskOps(self, disk, get=self.op_get, lease=self.op_lease, inspect=self.op_inspect) \
-            if disk is not None else None
+        self.disk = DiskOps(self, ctx.disk, get=self.op_get, lease=self.op_lease, inspect=self.op_inspect) \
+            if ctx.disk is not None else None  # with --disk-path
         self._handlers = self.handlers()
 
     # ---- what the op groups see of the daemon (SessionContext) -----------------------------------------
