@@ -200,6 +200,11 @@ class EmbeddedStore(KVStore):
         with self._lock:
             return self._m().exists(key) or (self._disk is not None and self._disk.contains(key))
 
+    def _touch(self, keys: list[str], ttl: float) -> list[int | None]:
+        with self._lock:  # objects in memory: a disk-tier copy has no expiry to extend
+            touched = [self._m().touch(key, ttl) for key in keys]
+        return [None if r is None else r.meta.checksum for r in touched]
+
     def _evict(self, key: str) -> bool:
         with self._lock:
             return self._m().evict(key) or (self._disk is not None and self._disk.discard(key))

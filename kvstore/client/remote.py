@@ -95,6 +95,7 @@ class RemoteStore(KVStore):
         try:
             hello = say_hello(self._conn, self._token, self._hello_fields(name, transport), self.expected_node)
             self.transport, self._name, self._generation = hello["transport"], name, hello.get("generation")
+            self._conn.max_frame = min(hello.get("max_frame", wire.MAX_FRAME), wire.MAX_FRAME)  # its --max-frame
             segments = {sid: (seg, size) for sid, seg, size in hello["segments"]}
             self._data = transports.get(self.transport)(segments)
             if isinstance(self._data, ShmTransport):  # shm, and cuda_ipc (which maps the same memory)
@@ -234,7 +235,7 @@ class RemoteStore(KVStore):
     def _put_many(self, items: list[tuple[ObjectMeta, Payload]], digests: list[Digest], *,
                   flags: PutFlags) -> list[ObjectMeta]:
         self._check_batch(len(items), "batch_put")  # every path here (device put_many too) before a byte is sent
-        if all(self._arena_fits(m, p) for m, p in items) and commit_fits([m for m, _ in items]):
+        if all(self._arena_fits(m, p) for m, p in items) and commit_fits([m for m, _ in items], self._conn.max_frame):
             done = self._put_many_arena(items, digests, flags)
             if done is not None:
                 return done
@@ -284,7 +285,7 @@ class RemoteStore(KVStore):
             return super()._commit_reserved(handles, metas, checksums)
         arena = [h for h in handles if h[0] == "arena"]
         if arena:
-            check_commit_size(metas)
+            check_commit_size(metas, self._conn.max_frame)
             entries = [self._arenas.entry(h[1], meta, c) if h[0] == "arena" else {"put_id": h[1], "checksum": c}
                        for h, meta, c in zip(handles, metas, checksums, strict=True)]
             reply = self._arenas.commit(entries, [h[1] for h in arena], **_flags(arena[0][2]), give_back=False)
@@ -407,6 +408,9 @@ class RemoteStore(KVStore):
     def _evict(self, key: str) -> bool:
         return self._call("evict", key=key)
 
+    def _touch(self, keys: list[str], ttl: float) -> list[int | None]:
+        return list(self._call("touch", keys=keys, ttl=ttl))
+
     def _remove(self, key: str) -> bool:
         return self._call("remove", key=key)
 
@@ -443,7 +447,14 @@ class RemoteStore(KVStore):
         return info
 
     def stats(self) -> dict:
+        """The daemon's stats, with every connection (asked for page by page)."""
         out = self._call("stats")
+        connections = out.get("connections", [])
+        while out.pop("connections_more", False) and connections:
+            page = self._call("stats", after=connections[-1]["id"])
+            connections += page["connections"]
+            out["connections_more"] = page.get("connections_more", False) and bool(page["connections"])
+        out["connections"] = connections
         out["transport"] = self.transport
         out["compression"] = self.wire.describe()
         device = self.device_memory()

@@ -109,7 +109,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
             if str(exc):
                 raise
             return None  # clean end of stream between frames
-        limit = wire.MAX_FRAME if self.client is not None else wire.MAX_PREAUTH_FRAME
+        limit = self.ctx.config.max_frame if self.client is not None else wire.MAX_PREAUTH_FRAME
         n = wire.frame_length(self._buf[self._start:self._start + 4], limit)
         await self._fill(4 + n)
         body = memoryview(self._buf)[self._start + 4:self._start + 4 + n]
@@ -150,7 +150,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
             n -= len(chunk)
 
     async def _send(self, message: dict, payload: memoryview | None = None) -> None:
-        frame = wire.encode(message)
+        frame = wire.encode(message, self.ctx.config.max_frame)
         if payload is not None:
             self.metrics.bytes_out(len(payload))
             if len(payload) <= _INLINE_REPLY:
@@ -298,6 +298,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
             "release": self.op_release, "lease": self.op_lease, "exists": self.op_exists,
             "batch_exists": self.op_batch_exists, "evict": self.op_evict, "remove": self.op_remove,
             "inspect": self.op_inspect, "stats": self.op_stats, "ls": self.op_ls, "wait": self.op_wait,
+            "touch": self.op_touch,
             # the GPU data path (kvstore.daemon.gpu_ops) and the UCX data path (kvstore.daemon.ucx_ops)
             "cuda_segments": self.op_cuda_segments, "cuda_put": self.op_cuda_put, "cuda_get": self.op_cuda_get,
             "ucx_connect": self.op_ucx_connect, "ucx_claim": self.op_ucx_claim,
@@ -329,7 +330,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
         self.name = f["client"] or self.peer
         return self._ok(rid, client_id=self.client, transport=self.transport, host=server.host_id,
                         segments=server.segments.describe(), index=server.index_info(),
-                        capacity=server.master.capacity, max_frame=wire.MAX_FRAME,
+                        capacity=server.master.capacity, max_frame=server.config.max_frame,
                         heartbeat_s=server.config.heartbeat_timeout, pid=server.pid, generation=server.generation,
                         arena_bytes=server.config.arena_size if self.transport in ("shm", "cuda_ipc") else 0,
                         transports=list(server.served_transports))
@@ -476,12 +477,17 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
         replica = master.lookup(f["key"])
         return self._ok(rid, value={**describe_replica(replica, master.clock()), "tier": master.tier_of(replica).value})
 
+    async def op_touch(self, rid: int, f: dict) -> dict:
+        # the shared-memory index keeps the earlier expiry: past it, a lock-free reader asks the daemon instead
+        touched = [self.master.touch(key, f["ttl"]) for key in f["keys"]]
+        return self._ok(rid, value=[None if r is None else r.meta.checksum for r in touched])  # 4096 fit a frame
+
     async def op_stats(self, rid: int, f: dict) -> dict:
-        return self._ok(rid, value=self.ctx.stats())
+        return self._ok(rid, value=self.ctx.stats(f["after"], f["limit"]))
 
     async def op_ls(self, rid: int, f: dict) -> dict:
         keys = self.master.keys(f["prefix"])
-        page, more = wire.page_of_keys(keys, f["after"], f["limit"])
+        page, more = wire.page_of_keys(keys, f["after"], f["limit"], self.ctx.config.max_frame // 2)
         return self._ok(rid, value=page, total=len(keys), more=more)
 
     async def op_wait(self, rid: int, f: dict) -> dict:
