@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstore.core.tiering import describe_disk_object
+from kvstore.core.tiering import decode_meta, describe_disk_object
 from kvstore.errors import KeyNotFoundError, ObjectTooLargeError
 from kvstore.protocol import wire
 
@@ -29,7 +29,8 @@ class DiskOps:
             return {}
         return {"get": self.op_disk_get, "lease": self.op_disk_lease, "exists": self.op_disk_exists,
                 "batch_exists": self.op_disk_batch_exists, "evict": self.op_disk_evict,
-                "remove": self.op_disk_remove, "ls": self.op_disk_ls, "inspect": self.op_disk_inspect}
+                "remove": self.op_disk_remove, "ls": self.op_disk_ls, "inspect": self.op_disk_inspect,
+                "touch": self.op_disk_touch}
 
     @property
     def _disk(self) -> DiskService:
@@ -63,6 +64,15 @@ class DiskOps:
             if not self._disk.contains(f["key"]) or not await self._disk.promote(f["key"]):
                 raise
         return await self.op_lease(rid, f)
+
+    async def op_disk_touch(self, rid: int, f: dict) -> dict:
+        """A key held on disk only gives its checksum (the version kept); its disk copy keeps its own TTL."""
+        reply = await self.op_touch(rid, f)
+        for i, key in enumerate(f["keys"]):
+            obj = self._disk.disk.get(key) if reply["value"][i] is None else None
+            if obj is not None:
+                reply["value"][i] = decode_meta(obj.meta).checksum
+        return reply
 
     async def op_disk_exists(self, rid: int, f: dict) -> dict:
         return self._ok(rid, value=self.master.exists(f["key"]) or self._disk.contains(f["key"]))
