@@ -154,7 +154,13 @@ class KVHandoff:
                 token_ids: Sequence[int] | None = None, ttl: float = 60.0) -> Ticket:
         """Gather the request's pages now, straight into store memory reserved for its chunks (the caller may
         reuse its blocks as soon as this returns), and commit them with their RequestMeta in the background;
-        nothing is visible to ``fetch`` until all is."""
+        nothing is visible to ``fetch`` until all is.
+
+        With ``token_ids`` the chunks are prefix chunks, shared by every request of the same prompt prefix
+        (see :func:`chunk_keys`). A stored one is referenced as it is, never replaced: of producers racing to
+        store the same chunk, the first commit wins and the others record its checksum, chunk by chunk (a
+        request's prefix may hold chunks of several producers: each is a valid KV of its tokens, as in any
+        prefix cache). Every request that references a chunk keeps it for its own ``ttl`` at least."""
         rid = _check_request_id(request_id)
         ids = self._block_tensor(block_ids, kv_caches)
         self._check_counts(num_tokens, len(ids), token_ids)
@@ -184,39 +190,51 @@ class KVHandoff:
         return Ticket(rid, future)
 
     def _gather_chunks(self, batch: Reservation, fresh: dict[str, Reservation], names: list[str], bounds: list,
-                       kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, ttl: float) -> list[int]:
-        """Gather every chunk; a prefix chunk nobody has stored yet into a reservation of its own (``fresh``) that
-        commits only if the key is still absent, so that of two producers of one prefix the first one's bytes
-        stay (the request's batch could not commit them if-absent without failing as a whole)."""
+                       kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, ttl: float) -> list[int | None]:
+        """Gather the chunks this publish writes: request-scoped ones into ``batch``; a prefix chunk nobody has
+        stored into a reservation of its own (``fresh``) that commits only if the key is still absent. A stored
+        prefix chunk is not written at all (its checksum is None here: ``_reference`` records it at commit);
+        asking for it keeps it ``ttl`` more seconds."""
         shared = [name for name in names if name.startswith("kvp/")]
-        stored = {n for n, here in zip(shared, self.store.batch_exists(shared) if shared else [], strict=True) if here}
-        checksums = []
+        stored = {n for n, checksum in zip(shared, self.store.touch(shared, ttl) if shared else [], strict=True)
+                  if checksum is not None}
+        checksums: list[int | None] = []
         for name, (b0, b1) in zip(names, bounds, strict=True):
-            if name.startswith("kvp/") and name not in stored:
-                fresh[name] = self.store.reservation(ttl=ttl, if_absent=True)
-                try:
-                    checksums.append(self._gather_chunk(fresh[name], name, kv_caches, ids[b0:b1]))
-                    continue
-                except KeyExistsError:  # stored by another producer meanwhile: handled as a stored one
-                    fresh.pop(name).abort()
-            checksums.append(self._gather_chunk(batch, name, kv_caches, ids[b0:b1]))
+            if name in stored:
+                checksums.append(None)
+                continue
+            if not name.startswith("kvp/"):
+                checksums.append(self._gather_chunk(batch, name, kv_caches, ids[b0:b1]))
+                continue
+            fresh[name] = self.store.reservation(ttl=ttl, if_absent=True)
+            try:
+                checksums.append(self._gather_chunk(fresh[name], name, kv_caches, ids[b0:b1]))
+            except KeyExistsError:  # stored by another producer since the look-up: referenced as a stored one
+                fresh.pop(name).abort()
+                checksums.append(None)
         return checksums
 
-    def _commit_fresh(self, fresh: dict[str, Reservation], names: list[str], checksums: list[int]) -> list[int]:
-        """Commit the fresh prefix chunks, each only if still absent; a producer that lost the race records the
-        winner's checksum. Returns the checksums to record."""
-        recorded = list(checksums)
+    def _commit_fresh(self, fresh: dict[str, Reservation], names: list[str], checksums: list[int | None]) -> None:
+        """Commit the fresh prefix chunks, each only if still absent: one another producer stored meanwhile
+        stays as it is (``_reference`` records it)."""
         for name, reservation in fresh.items():
-            i = names.index(name)
             try:
-                reservation.commit([checksums[i]])
+                reservation.commit([checksums[names.index(name)]])
             except KeyExistsError:
-                try:
-                    recorded[i] = int(self.store.inspect(name)["checksum"], 16)
-                except (KeyNotFoundError, TypeError) as exc:
-                    raise HandoffAbortedError(f"prefix chunk {name} was stored by another producer and is gone "
-                                              f"again ({type(exc).__name__}); publish the request again") from None
-        return recorded
+                pass
+
+    def _reference(self, names: list[str], ttl: float) -> dict[str, int]:
+        """The checksum of the stored version of every prefix chunk of ``names``, each kept ``ttl`` more seconds
+        from now (one request): the versions this request references. A chunk gone already (evicted since
+        it was looked up) fails the publish; its bytes are not here any more to store it again."""
+        shared = [name for name in names if name.startswith("kvp/")]
+        found = {}
+        for name, checksum in zip(shared, self.store.touch(shared, ttl) if shared else [], strict=True):
+            if checksum is None:
+                raise HandoffAbortedError(f"prefix chunk {name} was evicted before the request was published; "
+                                          "publish it again")
+            found[name] = checksum
+        return found
 
     def _gather_chunk(self, batch: Reservation, key: str, kv_caches: Sequence[torch.Tensor],
                       ids: torch.Tensor) -> int:
@@ -234,22 +252,25 @@ class KVHandoff:
         return ops.gather_pages(kv_caches, ids, view, layout=self.layout, checksum=True)[1]
 
     def _commit(self, rid: str, batch: Reservation, fresh: dict[str, Reservation], names: list[str],
-                chunk_blocks: tuple[int, ...], checksums: list[int], num_tokens: int, token_ids, ttl: float
+                chunk_blocks: tuple[int, ...], checksums: list[int | None], num_tokens: int, token_ids, ttl: float
                 ) -> RequestMeta:
         keys = request_keys(rid)
         nbytes = sum(chunk_blocks) * self.layout.block_nbytes
         try:
-            checksums = self._commit_fresh(fresh, names, checksums)
-            checksums, sent = self._keep_shared_chunks(batch, names, checksums, set(fresh))
+            self._commit_fresh(fresh, names, checksums)
+            referenced = self._reference(names, ttl)
         except BaseException:
             for reservation in (batch, *fresh.values()):
                 reservation.abort()  # those committed stay: prefix cache
             _quietly(self.store.remove, keys["claim"])
             raise
+        sent = [c for name, c in zip(names, checksums, strict=True) if not name.startswith("kvp/")]
+        recorded = tuple(referenced[name] if name in referenced else _known(c) for name, c in zip(names, checksums,
+                                                                                                  strict=True))
         meta = RequestMeta(
             request_id=rid, layout=self.layout.to_dict(), fingerprint=self.layout.fingerprint(),
             num_tokens=num_tokens, num_blocks=sum(chunk_blocks), chunk_keys=tuple(names), chunk_blocks=chunk_blocks,
-            checksums=tuple(checksums), producer=self.producer, created=time.time(), ttl=ttl,
+            checksums=recorded, producer=self.producer, created=time.time(), ttl=ttl,
             token_hash=_token_hash(token_ids), nbytes=nbytes)
         try:
             # The status goes first: a consumer may fetch (and mark it fetched) the moment the batch commits.
@@ -265,26 +286,6 @@ class KVHandoff:
         if self.store.exists(keys["cancel"]):  # cancelled while we were committing: take it back
             self._drop(meta, keep_chunks=False)
         return meta
-
-    def _keep_shared_chunks(self, batch: Reservation, names: list[str], checksums: list[int], fresh: set[str]
-                            ) -> tuple[list[int], list[int]]:
-        """A prefix chunk of the batch (one that was stored when this publish began) that another producer stored
-        with other bytes (same tokens, numerically different KV) is kept as it is, never replaced under a request
-        that references it: ours is dropped and this request records theirs. Returns (the checksums to record,
-        those of the batch's chunks still to commit)."""
-        shared = [i for i, name in enumerate(names) if name.startswith("kvp/") and name not in fresh]
-        recorded, dropped = list(checksums), set(i for i, name in enumerate(names) if name in fresh)
-        found = self.store.batch_exists([names[i] for i in shared]) if shared else []
-        for i, present in zip(shared, found, strict=True):
-            try:
-                theirs = self.store.inspect(names[i])["checksum"] if present else None
-            except KeyNotFoundError:
-                continue
-            if theirs is not None and int(theirs, 16) != checksums[i]:
-                batch.drop(names[i])
-                recorded[i] = int(theirs, 16)
-                dropped.add(i)
-        return recorded, [c for i, c in enumerate(checksums) if i not in dropped]
 
     def cancel(self, request_id: str) -> None:
         """Withdraw the request: its meta and request-scoped chunks are removed now (prefix-keyed chunks,
@@ -488,6 +489,11 @@ class KVHandoff:
                     raise HandoffAbortedError(f"request {meta.request_id!r}: a chunk is gone (evicted or expired): "
                                               f"{exc}; recompute") from None
                 check_object(leased[-1].meta, self.layout, n_blocks[len(leased) - 1])
+                stored, recorded = leased[-1].meta.checksum, meta.checksums[len(leased) - 1]
+                if stored is not None and stored != recorded:  # a version of the chunk this request does not know
+                    raise HandoffAbortedError(
+                        f"{what}: chunk {key} is not the version it references (checksum {stored:#x}, recorded "
+                        f"{recorded:#x}): it was evicted and stored again since; recompute")
             starts = [sum(n_blocks[:i]) for i in range(len(n_blocks))]
             if verify and not on_cpu:
                 for i, (obj, checksum) in enumerate(zip(leased, meta.checksums, strict=True)):
@@ -557,6 +563,12 @@ def _check_request_id(request_id: object) -> str:
         raise InvalidArgumentError(f"request_id must be a non-empty str of at most 256 chars without '/', "
                                    f"got {request_id!r}")
     return request_id
+
+
+def _known(checksum: int | None) -> int:
+    if checksum is None:  # only a stored prefix chunk has none until it is referenced
+        raise InvalidArgumentError("a request-scoped chunk without a checksum")
+    return checksum
 
 
 def _token_hash(token_ids) -> str:

@@ -44,7 +44,7 @@ def _limit_options(args: argparse.Namespace) -> dict:
             "max_leases": args.max_leases, "max_connections": args.max_connections,
             "arena_bytes": parse_size(args.arena_size) if args.arena_size else None,
             "max_connections_per_peer": args.max_connections_per_peer, "auth_timeout": args.auth_timeout,
-            "transfer_timeout": args.transfer_timeout}
+            "transfer_timeout": args.transfer_timeout, "max_frame": parse_size(args.max_frame)}
 
 
 def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,6 +68,10 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="connections kept open in all; more are closed at accept (default %(default)s)")
     g.add_argument("--max-connections-per-peer", type=int, default=256, metavar="N",
                    help="connections kept open per peer: a Unix-socket user or a TCP address (default %(default)s)")
+    g.add_argument("--max-frame", default="1MiB", metavar="SIZE",
+                   help="the largest message a connection sends or takes, 256KiB to 1MiB: a connection's buffer "
+                        "is this large; listings are paged to fit, a larger reply is refused on its request "
+                        "(FrameTooLargeError) and clients size their requests by it (default %(default)s)")
     g.add_argument("--auth-timeout", type=float, default=5.0, metavar="S",
                    help="close a connection that has not said hello within S seconds (default %(default)s)")
     g.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S",

@@ -157,13 +157,13 @@ class ArenaWriter:
             self._arenas = []
 
 
-def commit_fits(metas: Sequence[ObjectMeta]) -> bool:
+def commit_fits(metas: Sequence[ObjectMeta], max_frame: int = wire.MAX_FRAME) -> bool:
     """Whether one arena_commit of these objects stays within the daemon's bounds on a request (past them the
     daemon closes the connection): at most MAX_ENTRIES objects, not too much nested user metadata, and a frame
-    within wire.MAX_FRAME (4096 entries of 100-character keys are more than that)."""
+    within ``max_frame``, the daemon's (4096 entries of 100-character keys are more than wire.MAX_FRAME)."""
     if len(metas) > MAX_ENTRIES:
         return False
-    if sum(_entry_bytes(m) for m in metas) > wire.MAX_FRAME - 4096:
+    if sum(_entry_bytes(m) for m in metas) > max_frame - 4096:
         return False
     return len(metas) * 6 < wire.COMMIT_CONTAINERS or \
         sum(4 + _containers(m.user) for m in metas) <= wire.COMMIT_CONTAINERS
@@ -176,9 +176,9 @@ def _entry_bytes(meta: ObjectMeta) -> int:
     return size + (len(msgpack.packb(meta.user, use_bin_type=True)) if meta.user else 0)
 
 
-def check_commit_size(metas: Sequence[ObjectMeta]) -> None:
-    """InvalidArgumentError, before anything is sent, unless ``commit_fits(metas)``."""
-    if not commit_fits(metas):
+def check_commit_size(metas: Sequence[ObjectMeta], max_frame: int = wire.MAX_FRAME) -> None:
+    """InvalidArgumentError, before anything is sent, unless ``commit_fits(metas, max_frame)``."""
+    if not commit_fits(metas, max_frame):
         raise InvalidArgumentError(f"a commit of {len(metas)} objects written in place is more (objects, or maps "
                                    f"and arrays of their metadata) than one request may carry; commit fewer at once")
 

@@ -200,6 +200,14 @@ class EmbeddedStore(KVStore):
         with self._lock:
             return self._m().exists(key) or (self._disk is not None and self._disk.contains(key))
 
+    def _touch(self, keys: list[str], ttl: float) -> list[int | None]:
+        with self._lock:  # a key held on disk only gives its checksum; its disk copy keeps its own TTL
+            touched = [self._m().touch(key, ttl) for key in keys]
+            on_disk = [self._disk.get(k) if r is None and self._disk is not None else None
+                       for k, r in zip(keys, touched, strict=True)]
+        return [r.meta.checksum if r is not None else None if d is None else decode_meta(d.meta).checksum
+                for r, d in zip(touched, on_disk, strict=True)]
+
     def _evict(self, key: str) -> bool:
         with self._lock:
             return self._m().evict(key) or (self._disk is not None and self._disk.discard(key))

@@ -88,6 +88,7 @@ class RemoteStore(KVStore):
         try:
             hello = say_hello(self._conn, self._token, self._hello_fields(name, transport), self.expected_node)
             self.transport, self._name, self._generation = hello["transport"], name, hello.get("generation")
+            self._conn.max_frame = min(hello.get("max_frame", wire.MAX_FRAME), wire.MAX_FRAME)  # its --max-frame
             segments = {sid: (seg, size) for sid, seg, size in hello["segments"]}
             self._data: Transport = transports.get(self.transport)(segments)
             self._regions = self._data.regions()  # shm, and cuda_ipc (which maps the same memory)
@@ -280,6 +281,9 @@ class RemoteStore(KVStore):
 
     def _evict(self, key: str) -> bool:
         return bool(self._call("evict", key=key))
+
+    def _touch(self, keys: list[str], ttl: float) -> list[int | None]:
+        return list(self._call("touch", keys=keys, ttl=ttl))
 
     def _remove(self, key: str) -> bool:
         return bool(self._call("remove", key=key))

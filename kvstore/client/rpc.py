@@ -54,6 +54,7 @@ class Connection:
         self.reconnects = 0
         self._lz4_scratch: memoryview | None = None
         self.last_wire_bytes = 0  # bytes the last compressed payload took on the wire
+        self.max_frame = wire.MAX_FRAME  # the daemon's (its hello says): larger requests are refused unsent
         self._sock: socket.socket | None = self._open()
 
     def reconnects_with(self, reauth: Callable[[Any], None]) -> None:
@@ -172,7 +173,7 @@ class Connection:
                 sock.settimeout(timeout)
             self._flush_releases(sock)
             rid = next(self._ids)
-            frame = wire.encode({"v": wire.VERSION, "id": rid, **request})
+            frame = wire.encode({"v": wire.VERSION, "id": rid, **request}, self.max_frame)
             if payload is not None and request.get("compress") and len(payload) >= compression.MIN_SIZE:
                 sock.sendall(frame)
                 self._send_frames(sock, payload, request["compress"])

@@ -243,6 +243,17 @@ class KVStore(ABC):
         self._check_batch(len(keys), "wait")
         return self._wait(keys, float(timeout))
 
+    def touch(self, keys: Sequence[str], ttl: float) -> list[int | None]:
+        """Keep each stored object of ``keys`` for at least ``ttl`` more seconds (an object that expires later
+        keeps its expiry, one without a TTL keeps none) and count it as just used for eviction; returns each
+        one's checksum (its xxh3-64: which version is kept), None for a key not stored. In one request."""
+        keys = [validate_key(k) for k in keys]
+        self._check_batch(len(keys), "touch")
+        seconds = validate_ttl(ttl)
+        if seconds is None:
+            raise InvalidArgumentError("touch needs a ttl (seconds), got None")
+        return self._touch(keys, seconds) if keys else []
+
     def inspect(self, key: str) -> dict:
         """Size, dtype/shape, checksum, state, leases, age, TTL, segment and offset of one object."""
         return self._inspect(validate_key(key))
@@ -358,6 +369,9 @@ class KVStore(ABC):
 
     @abstractmethod
     def _inspect(self, key: str) -> dict: ...
+
+    @abstractmethod
+    def _touch(self, keys: list[str], ttl: float) -> list[int | None]: ...
 
     @abstractmethod
     def stats(self) -> dict:

@@ -103,6 +103,11 @@ class TransportPuts:
         self._conn, self._data, self._inline = conn, data, inline
         self.capacity, self._wire, self._device, self._relieve = capacity, wire, device, relieve
 
+    @property
+    def max_frame(self) -> int:
+        """The daemon's frame limit (its hello says): a commit larger than that is refused unsent."""
+        return self._conn.max_frame
+
     def check_size(self, meta: ObjectMeta) -> None:
         if meta.size > self.capacity:
             raise ObjectTooLargeError(f"value of {meta.size} bytes exceeds the store's capacity of {self.capacity}")
@@ -282,7 +287,7 @@ class ArenaWrites:
         return self._region.put(meta, payload, digest, flags)
 
     def put_many(self, items: Items, digests: Sequence[PayloadDigest], flags: PutFlags) -> list[ObjectMeta]:
-        if all(self._fits(m, p) for m, p in items) and commit_fits([m for m, _ in items]):
+        if all(self._fits(m, p) for m, p in items) and commit_fits([m for m, _ in items], self._puts.max_frame):
             done = self._put_many_arena(items, digests, flags)
             if done is not None:
                 return done
@@ -327,7 +332,7 @@ class ArenaWrites:
         arena = [h for h in handles if isinstance(h, ArenaReserved)]
         if not arena:
             return self._region.commit(handles, metas, checksums)
-        check_commit_size(metas)
+        check_commit_size(metas, self._puts.max_frame)
         entries = [self._arenas.entry(h.slot, meta, c) if isinstance(h, ArenaReserved) else _pending(h, c)
                    for h, meta, c in zip(handles, metas, checksums, strict=True)]
         reply = self._arenas.commit(entries, [h.slot for h in arena], **_flags(arena[0].flags), give_back=False)

@@ -325,6 +325,9 @@ class ClusterStore(KVStore):
         # a copy on a refused node (another token, or not the node it claims) cannot be read: it does not count
         return [any(not self.pool.refused(e.node, e.epoch) for e in found[k]) for k in keys]
 
+    def _touch(self, keys: list[str], ttl: float) -> list[int | None]:
+        return self._delegate(lambda c: c.touch(keys, ttl))  # the home daemon's copies
+
     def _evict(self, key: str) -> bool:
         return self._delegate(lambda c: c.evict(key))
 

@@ -445,6 +445,19 @@ class Master:
     def keys(self, prefix: str = "") -> list[str]:
         return sorted(k for k, r in self._live.items() if k.startswith(prefix) and not self._expired(r))
 
+    def touch(self, key: str, ttl: float) -> Replica | None:
+        """Keep ``key`` for at least ``ttl`` more seconds: a later expiry than it has is set (never an earlier
+        one; an object without a TTL keeps none), and it counts as just used for eviction. None if absent."""
+        replica = self._lookup_live(key)
+        if replica is None:
+            return None
+        until = self.clock() + ttl
+        if replica.expires_at is not None and until > replica.expires_at:
+            replica.expires_at = until
+            heapq.heappush(self._expiry, (until, replica.id, key))  # the earlier entry is skipped by expire()
+        self.policy.touch(key)
+        return replica
+
     # ---- removal ------------------------------------------------------------------------------------
     def evict(self, key: str) -> bool:
         """Drop ``key`` as the cache would; pinned or leased objects raise ObjectBusyError."""
@@ -472,7 +485,7 @@ class Master:
         while self._expiry and self._expiry[0][0] <= now:
             _, rid, key = heapq.heappop(self._expiry)
             replica = self._live.get(key)
-            if replica is not None and replica.id == rid and not replica.leases:
+            if replica is not None and replica.id == rid and not replica.leases and self._expired(replica):
                 self._unlink(replica)
                 self.expirations += 1
                 dropped += 1

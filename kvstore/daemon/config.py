@@ -8,7 +8,11 @@ from kvstore.core.quota import ClientQuota
 from kvstore.daemon.limits import Limits
 from kvstore.errors import InvalidArgumentError
 from kvstore.memory.disk import DiskConfig
+from kvstore.protocol import wire
 from kvstore.protocol.url import Endpoint, default_socket_url
+
+#: the smallest --max-frame: the largest fixed-size replies (a commit of 4,096 objects) still fit
+MIN_MAX_FRAME = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class ServerConfig:
     max_connections_per_peer: int = 256
     auth_timeout: float = 5.0
     transfer_timeout: float = 30.0
+    #: the largest frame a connection sends or takes (requests and replies): less memory per connection
+    max_frame: int = wire.MAX_FRAME
     disk: DiskConfig | None = None  # the disk tier (--disk-path, --disk-capacity, --disk-policy)
     endpoints: tuple[Endpoint, ...] = field(init=False, default=())
 
@@ -54,6 +60,10 @@ class ServerConfig:
         if self.capacity <= 0:
             raise InvalidArgumentError(f"capacity must be positive, got {self.capacity}")
         self._check_gpu()
+        if isinstance(self.max_frame, bool) or not isinstance(self.max_frame, int) \
+                or not MIN_MAX_FRAME <= self.max_frame <= wire.MAX_FRAME:
+            raise InvalidArgumentError(f"max frame must be between {MIN_MAX_FRAME} and {wire.MAX_FRAME} bytes, "
+                                       f"got {self.max_frame!r}")
         if self.arena_bytes is not None and (isinstance(self.arena_bytes, bool) or not isinstance(self.arena_bytes, int)
                                              or not 0 < self.arena_bytes <= self.capacity):
             raise InvalidArgumentError(f"arena size must be between 1 byte and the capacity ({self.capacity}), "

@@ -32,8 +32,9 @@ class Connection:
     """``bytes_out(n)`` counts the payload bytes sent (the daemon's metrics)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, peer: str,
-                 bytes_out: Callable[[int], None]):
+                 bytes_out: Callable[[int], None], max_frame: int = wire.MAX_FRAME):
         self.loop, self.sock, self.peer, self.bytes_out = loop, sock, peer, bytes_out
+        self.max_frame = max_frame  # the daemon's --max-frame: no frame it sends is larger
         self.clock = TransferClock(loop)
         self._buf = bytearray(4 + wire.MAX_PREAUTH_FRAME)  # grows once authenticated
         self._start = self._end = 0
@@ -112,7 +113,7 @@ class Connection:
             n -= len(chunk)
 
     async def send(self, message: dict[str, Any], payload: memoryview | None = None) -> None:
-        frame = wire.encode(message)
+        frame = wire.encode(message, self.max_frame)
         if payload is not None:
             self.bytes_out(len(payload))
             if len(payload) <= INLINE_REPLY:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvstore.core.tiering import describe_disk_object
+from kvstore.core.tiering import decode_meta, describe_disk_object
 from kvstore.errors import KeyNotFoundError, ObjectTooLargeError
 from kvstore.protocol import wire
 from kvstore.protocol.wire import ok_reply
@@ -23,18 +23,19 @@ if TYPE_CHECKING:
 
 
 class DiskOps:
-    """Its ``handlers()`` override entries of the session's op table when a disk tier runs; ``get``, ``lease`` and
-    ``inspect`` are the session's memory-only handlers it wraps (a subclass's overrides included)."""
+    """Its ``handlers()`` override entries of the session's op table when a disk tier runs; ``get``, ``lease``,
+    ``inspect`` and ``touch`` are the session's memory-only handlers it wraps (a subclass's overrides included)."""
 
     def __init__(self, session: SessionContext, disk: DiskService, *, get: Handler, lease: Handler,
-                 inspect: Handler):
+                 inspect: Handler, touch: Handler):
         self.s, self._disk = session, disk
-        self._get, self._lease, self._inspect = get, lease, inspect
+        self._get, self._lease, self._inspect, self._touch = get, lease, inspect, touch
 
     def handlers(self) -> dict[str, Handler]:
         return {"get": self.op_disk_get, "lease": self.op_disk_lease, "exists": self.op_disk_exists,
                 "batch_exists": self.op_disk_batch_exists, "evict": self.op_disk_evict,
-                "remove": self.op_disk_remove, "ls": self.op_disk_ls, "inspect": self.op_disk_inspect}
+                "remove": self.op_disk_remove, "ls": self.op_disk_ls, "inspect": self.op_disk_inspect,
+                "touch": self.op_disk_touch}
 
     async def op_disk_get(self, rid: int, f: dict[str, Any]) -> dict[str, Any] | None:
         try:
@@ -64,6 +65,17 @@ class DiskOps:
             if not self._disk.contains(f["key"]) or not await self._disk.promote(f["key"]):
                 raise
         return await self._lease(rid, f)
+
+    async def op_disk_touch(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
+        """A key held on disk only gives its checksum (the version kept); its disk copy keeps its own TTL."""
+        reply = await self._touch(rid, f)
+        if reply is None:  # the session's touch always answers
+            raise RuntimeError("touch gave no reply")
+        for i, key in enumerate(f["keys"]):
+            obj = self._disk.disk.get(key) if reply["value"][i] is None else None
+            if obj is not None:
+                reply["value"][i] = decode_meta(obj.meta).checksum
+        return reply
 
     async def op_disk_exists(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         return ok_reply(rid, value=self.s.master.exists(f["key"]) or self._disk.contains(f["key"]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import os
 import signal
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
     from kvstore.transports.ucx_server import UcxDataServer
 
 log = logging.getLogger("kvstore.daemon.server")
+#: connections in one stats reply (and one per 4 KiB of --max-frame): names cut to 128 characters, 4 bytes
+#: each at most, fit a frame
+CONNECTIONS_PAGE = 256
 SERVED_TRANSPORTS = ("shm", "tcp")  # always served; "ucx" too while a --listen ucx:// endpoint runs, and
 #                                     "cuda_ipc" while the daemon holds GPU segments (--gpu-capacity)
 #: transport="auto": the first of these that the daemon serves and the client offers. "cuda_ipc" (offered by
@@ -89,6 +93,8 @@ class Server:
         self.pid = os.getpid()
         self.generation = int.from_bytes(os.urandom(8), "little") | 1  # this daemon's life, as its index shows it
         self.sessions: set[Session] = set()
+        self.session_ids: dict[Session, int] = {}  # in the order they came: what stats pages its connections by
+        self._session_serials = itertools.count(1)
         self.connections = ConnectionLimits(config.limits)
         self.ucx: UcxDataServer | None = None  # while a --listen ucx:// endpoint runs
         self.gpu: GpuMemory | None = None  # with --gpu-capacity
@@ -255,6 +261,7 @@ class Server:
             conn.close()
             return
         self.sessions.add(session)
+        self.session_ids[session] = next(self._session_serials)
         self._spawn(session.run())
 
     async def _housekeeping(self) -> None:
@@ -367,19 +374,25 @@ class Server:
     def session_closed(self, session: Session) -> None:
         if session in self.sessions:
             self.sessions.discard(session)
+            self.session_ids.pop(session, None)
             self.connections.release(session.peer_key)
 
     def index_info(self) -> list[Any]:
         return [self._index_shm.name, self._index_shm.size]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, after: int = 0, limit: int = CONNECTIONS_PAGE) -> dict[str, Any]:
+        """The daemon's stats with one page of its connections: at most ``limit`` (and CONNECTIONS_PAGE) of
+        those that came after the one with id ``after`` (0: from the first), and whether more follow."""
         out = self.master.stats()
         out["clients_by_transport"] = {}
         for s in self.sessions:
             out["clients_by_transport"][s.transport] = out["clients_by_transport"].get(s.transport, 0) + 1
-        # bounded whatever the clients call themselves: 256 sessions of names cut to 128 characters fit a frame
-        out["connections"] = [{"client": _cut(s.name), "peer": _cut(s.peer), "transport": s.transport,
-                               "path": _cut(s.data_path)} for s in list(self.sessions)[:256]]
+        later = sorted((sid, s) for s, sid in self.session_ids.items() if sid > after)
+        page = later[:max(1, min(limit, CONNECTIONS_PAGE, self.config.max_frame >> 12))]
+        # bounded whatever the clients call themselves: a page of names cut to 128 characters fits a frame
+        out["connections"] = [{"id": sid, "client": _cut(s.name), "peer": _cut(s.peer), "transport": s.transport,
+                               "path": _cut(s.data_path)} for sid, s in page]
+        out["connections_more"] = len(later) > len(page)
         out["connections_total"] = len(self.sessions)
         out["transports"] = list(self.served_transports)
         if self.gpu is not None:

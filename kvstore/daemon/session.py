@@ -82,12 +82,13 @@ class Session:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._refused = 0  # requests refused with a typed error
-        self.conn = Connection(self.loop, sock, peer, self._bytes_out)
+        self.conn = Connection(self.loop, sock, peer, self._bytes_out, max_frame=ctx.config.max_frame)
         self.frames = FrameOps(self.conn)
         self.ucx = UcxOps(self)
         self.gpu = GpuOps(self)
         self.arena = ArenaOps(self, self.ucx)
-        self.disk = DiskOps(self, ctx.disk, get=self.op_get, lease=self.op_lease, inspect=self.op_inspect) \
+        self.disk = DiskOps(self, ctx.disk, get=self.op_get, lease=self.op_lease, inspect=self.op_inspect,
+                            touch=self.op_touch) \
             if ctx.disk is not None else None  # with --disk-path
         self._handlers = self.handlers()
 
@@ -134,7 +135,7 @@ class Session:
             while not self.ctx.draining:
                 try:
                     message = await self.conn.read_frame(
-                        wire.MAX_FRAME if self.client is not None else wire.MAX_PREAUTH_FRAME)
+                        self.ctx.config.max_frame if self.client is not None else wire.MAX_PREAUTH_FRAME)
                 except ProtocolError as exc:  # oversized frame: the stream cannot be resynchronised
                     log.warning("client %s: %s; closing connection", self.peer, exc)
                     await self._send(wire.error_reply(0, exc))
@@ -266,6 +267,7 @@ class Session:
             "release": self.op_release, "lease": self.op_lease, "exists": self.op_exists,
             "batch_exists": self.op_batch_exists, "evict": self.op_evict, "remove": self.op_remove,
             "inspect": self.op_inspect, "stats": self.op_stats, "ls": self.op_ls, "wait": self.op_wait,
+            "touch": self.op_touch,
         }
         table.update(self.gpu.handlers())  # the GPU data path (kvstore.daemon.gpu_ops)
         table.update(self.ucx.handlers())  # the UCX data path (kvstore.daemon.ucx_ops)
@@ -295,7 +297,7 @@ class Session:
         self.name = f["client"] or self.peer
         return self._ok(rid, client_id=self.client, transport=self.transport, host=server.host_id,
                         segments=server.segments.describe(), index=server.index_info(),
-                        capacity=server.master.capacity, max_frame=wire.MAX_FRAME,
+                        capacity=server.master.capacity, max_frame=server.config.max_frame,
                         heartbeat_s=server.config.heartbeat_timeout, pid=server.pid, generation=server.generation,
                         arena_bytes=server.config.arena_size if self.transport in ("shm", "cuda_ipc") else 0,
                         transports=list(server.served_transports))
@@ -447,12 +449,17 @@ class Session:
         replica = master.lookup(f["key"])
         return self._ok(rid, value={**describe_replica(replica, master.clock()), "tier": master.tier_of(replica).value})
 
+    async def op_touch(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
+        # the shared-memory index keeps the earlier expiry: past it, a lock-free reader asks the daemon instead
+        touched = [self.master.touch(key, f["ttl"]) for key in f["keys"]]
+        return self._ok(rid, value=[None if r is None else r.meta.checksum for r in touched])  # 4096 fit a frame
+
     async def op_stats(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
-        return self._ok(rid, value=self.ctx.stats())
+        return self._ok(rid, value=self.ctx.stats(f["after"], f["limit"]))
 
     async def op_ls(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         keys = self.master.keys(f["prefix"])
-        page, more = wire.page_of_keys(keys, f["after"], f["limit"])
+        page, more = wire.page_of_keys(keys, f["after"], f["limit"], self.ctx.config.max_frame // 2)
         return self._ok(rid, value=page, total=len(keys), more=more)
 
     async def op_wait(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:

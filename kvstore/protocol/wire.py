@@ -61,11 +61,12 @@ REQUEST_LIMITS = DecodeLimits(array=2 * 4096, map=256, str=4 * 4096, bin=65536, 
 REPLY_LIMITS = DecodeLimits(array=MAX_FRAME, map=1 << 16, str=MAX_FRAME, bin=MAX_FRAME, containers=MAX_FRAME)
 
 
-def encode(message: dict[str, Any]) -> bytes:
+def encode(message: dict[str, Any], limit: int = MAX_FRAME) -> bytes:
+    """One frame; FrameTooLargeError (nothing sent) when its body is over ``limit`` (a daemon's --max-frame)."""
     body: bytes = msgpack.packb(message, use_bin_type=True)
-    if len(body) > MAX_FRAME:
+    if len(body) > limit:
         raise FrameTooLargeError(f"{message.get('op') or 'reply'}: a frame of {len(body)} bytes exceeds the "
-                                 f"maximum of {MAX_FRAME}")
+                                 f"maximum of {limit}")
     return LENGTH.pack(len(body)) + body
 
 
@@ -74,15 +75,16 @@ def encode(message: dict[str, Any]) -> bytes:
 LS_PAGE_BYTES = MAX_FRAME // 2
 
 
-def page_of_keys(keys: list[str], after: str, limit: int) -> tuple[list[str], bool]:
+def page_of_keys(keys: list[str], after: str, limit: int, page_bytes: int = LS_PAGE_BYTES
+                 ) -> tuple[list[str], bool]:
     """The sorted ``keys`` that come after ``after`` ("" : from the first), at most ``limit`` of them and at most
-    LS_PAGE_BYTES of key bytes (one key at least); and whether more of the ``limit`` follow this page."""
+    ``page_bytes`` of key bytes (one key at least); and whether more of the ``limit`` follow this page."""
     start = bisect.bisect_right(keys, after) if after else 0
     stop = min(len(keys), start + max(limit, 0))
     end, size = start, 0
     while end < stop:
         size += 5 + 4 * len(keys[end])  # a str header and at most 4 bytes a character: no encoding pass
-        if size > LS_PAGE_BYTES and end > start:
+        if size > page_bytes and end > start:
             break
         end += 1
     return keys[start:end], end < stop
@@ -165,6 +167,13 @@ def _keys(value: Any, name: str) -> list[str]:
 
 def _ttl(value: Any, name: str) -> float | None:
     return validate_ttl(value)
+
+
+def _touch_ttl(value: Any, name: str) -> float:
+    ttl = validate_ttl(value)
+    if ttl is None:
+        raise InvalidArgumentError(f"field {name!r} must be a positive number of seconds, got None")
+    return ttl
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -292,7 +301,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "evict": dict(_KEY),
     "remove": dict(_KEY),
     "inspect": dict(_KEY),
-    "stats": {},
+    # keep objects at least ttl more seconds (never shortens); the reply has each one's checksum, nil if absent
+    "touch": {"keys": (_keys, True, None), "ttl": (_touch_ttl, True, None)},
+    # a page of the connections: those with an id above "after" (the last one of the page before)
+    "stats": {"after": (_int, False, 0), "limit": (_int, False, 256)},
     "ls": {"prefix": (lambda v, n: "" if v == "" else _str(v, n), False, ""), "limit": (_int, False, 100000),
            "after": (lambda v, n: "" if v == "" else _str(v, n), False, "")},
     "wait": {"keys": (_keys, True, None), "timeout": (_seconds, True, None)},

@@ -387,8 +387,8 @@ class ClusterServer(Server):
         finally:
             self.forget_waiter(keys, fut)
 
-    def stats(self) -> dict:
-        out = super().stats()
+    def stats(self, after: int = 0, limit: int = 256) -> dict:
+        out = super().stats(after, limit)
         pub = self.publisher
         flush = sorted(pub.flush_seconds)
         out["cluster"] = {

@@ -136,6 +136,16 @@ class ClusterSession(Session):
             present = [ok or bool(found.get(k)) for k, ok in zip(keys, present, strict=True)]
         return present
 
+    async def op_touch(self, rid: int, f: dict) -> dict:
+        """Our copies are kept longer; of a key held by other members only, the checksum its directory entry
+        names is returned (their copies keep their own TTL)."""
+        found = [self.master.touch(k, f["ttl"]) if self.ctx.local(k) else None for k in f["keys"]]
+        missing = [k for k, r in zip(f["keys"], found, strict=True) if r is None]
+        entries = (await self.ctx.remote.entries(missing) or {}) if missing else {}
+        value = [r.meta.checksum if r is not None else _entry_checksum(entries.get(k)) for k, r
+                 in zip(f["keys"], found, strict=True)]
+        return self._ok(rid, value=value)
+
     async def op_inspect(self, rid: int, f: dict) -> dict:
         key = f["key"]
         if self.ctx.local(key):
@@ -186,6 +196,10 @@ class ClusterSession(Session):
         if self.ctx.local(f["key"]):
             return await super().op_evict(rid, f)
         return self._ok(rid, value=False)
+
+
+def _entry_checksum(entries) -> int | None:
+    return entries[0].meta.checksum if entries else None
 
 
 def _describe_remote(entries) -> dict:

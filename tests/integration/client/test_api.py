@@ -539,6 +539,24 @@ def test_ttl_expiry(store, store_kind, prefix, request):
     assert bytes(store.get(prefix + "long")) == b"y"
 
 
+def test_touch_keeps_an_object_longer_and_names_the_version_kept(store, prefix):
+    """touch extends a TTL (never shortens one), in one request for many keys, and returns each object's
+    checksum (None for a key not stored); a touched object outlives the TTL it was put with."""
+    stored = store.put(prefix + "t", rand_bytes(100_000, 2), ttl=0.5)
+    store.put(prefix + "t-forever", b"z")
+    found = store.touch([prefix + "t", prefix + "t-missing", prefix + "t-forever"], ttl=600)
+    assert found == [stored.checksum, None, xxhash.xxh3_64_intdigest(b"z")]
+    assert store.inspect(prefix + "t-forever")["expires_in_s"] is None
+    assert store.touch([prefix + "t"], ttl=0.1)[0] is not None  # shorter than it has now: no change
+    time.sleep(0.8)
+    assert store.exists(prefix + "t") and bytes(store.get(prefix + "t")) == rand_bytes(100_000, 2)
+    assert store.inspect(prefix + "t")["expires_in_s"] > 500
+    assert store.touch([], ttl=1) == []
+    for bad in (None, 0, -1, "1"):
+        with pytest.raises(InvalidArgumentError):
+            store.touch([prefix + "t"], ttl=bad)
+
+
 # ---- wait ----------------------------------------------------------------------------------------------
 def test_wait_returns_when_another_client_puts(store, prefix, client_factory):
     k = prefix + "w"

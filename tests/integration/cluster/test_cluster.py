@@ -258,6 +258,24 @@ def test_handoff_prefill_on_a_decode_on_b(cluster, decoder):
     assert wait_until(lambda: not any(k.startswith("hf/req1/chunk") for k in plain_a.keys("hf/")), 5)
 
 
+def test_a_prefix_stored_on_one_node_is_referenced_by_a_producer_on_another(cluster):
+    """Prefix chunks one producer stored through node A are found (and referenced as they are, never stored
+    again) by a producer of the same tokens through node B: both requests fetch A's bytes."""
+    layout = handoff_child.layout()
+    tokens = list(range(4 * layout.block_size))
+    first, second = handoff_child.caches(8, seed=1), handoff_child.caches(8, seed=2)
+    KVHandoff(cluster.client("A"), layout, chunk_blocks=2).publish(
+        "pa", first, [0, 1, 2, 3], num_tokens=len(tokens), token_ids=tokens).wait()
+    hb = KVHandoff(cluster.client("B"), layout, chunk_blocks=2)
+    meta = hb.publish("pb", second, [0, 1, 2, 3], num_tokens=len(tokens), token_ids=tokens).wait()
+    assert all(set(cluster.entries(key)) == {"A"} for key in meta.chunk_keys)
+    for rid in ("pa", "pb"):
+        dst = [torch.zeros(layout.cache_shape(8)) for _ in range(layout.num_layers)]
+        hb.fetch(rid, dst, [4, 5, 6, 7], num_tokens=len(tokens))
+        for c_src, c_dst in zip(first, dst, strict=True):
+            assert torch.equal(c_dst[:, [4, 5, 6, 7]], c_src[:, [0, 1, 2, 3]]), rid
+
+
 # ---- directory upkeep ------------------------------------------------------------------------------------
 def test_superseding_write_and_removal_reach_every_node(cluster):
     a, b = cluster.client("A"), cluster.client("B")

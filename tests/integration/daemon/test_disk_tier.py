@@ -293,6 +293,39 @@ def test_handoff_finds_chunks_that_left_memory_on_disk(kind, daemon_factory, dis
         store.close()
 
 
+@pytest.mark.parametrize("kind", ["embedded", "daemon-shm", "daemon-tcp"])
+def test_a_prefix_chunk_on_disk_is_referenced_not_replaced_by_a_later_producer(kind, daemon_factory, disk_dir):
+    """Prefix chunks that left memory for the disk are still the stored version: a second producer of the same
+    tokens (other bytes) references them (touch finds them on disk) instead of storing its own, so the first
+    request, published before, still fetches, and both get the first producer's bytes."""
+    torch = pytest.importorskip("torch")
+    import handoff_child as child
+
+    from kvstore.handoff import KVHandoff
+
+    d = None if kind == "embedded" else daemon_factory(capacity="2MiB", args=disk_args(disk_dir))
+    store = open_store(kind, d, disk_dir)
+    try:
+        layout = child.layout()
+        first, second = child.caches(8, seed=3), child.caches(8, seed=4)
+        h = KVHandoff(store, layout, chunk_blocks=2)
+        tokens = list(range(4 * layout.block_size))
+        one = h.publish("one", first, [0, 1, 2, 3], num_tokens=len(tokens), token_ids=tokens).wait()
+        for key in one.chunk_keys:
+            store.evict(key)  # the chunks leave memory for the disk
+        assert not any(store.inspect(key)["tier"] != "disk" for key in one.chunk_keys)
+        assert store.touch(list(one.chunk_keys), 60) == list(one.checksums)
+        two = h.publish("two", second, [0, 1, 2, 3], num_tokens=len(tokens), token_ids=tokens).wait()
+        assert two.checksums == one.checksums
+        for rid in ("one", "two"):
+            dst = [torch.zeros(layout.cache_shape(8), dtype=layout.dtype) for _ in range(layout.num_layers)]
+            h.fetch(rid, dst, [4, 5, 6, 7], num_tokens=len(tokens))
+            for c_src, c_dst in zip(first, dst, strict=True):
+                assert torch.equal(c_dst[:, [4, 5, 6, 7]], c_src[:, [0, 1, 2, 3]]), rid
+    finally:
+        store.close()
+
+
 # ---- issue 24, defect 2: a promotion racing a remove -------------------------------------------------------
 def _race_promotion_against_remove(reader: kvstore.KVStore, writer: kvstore.KVStore, delay: float) -> None:
     """get(copy=False) of a disk-only key promotes it; meanwhile a newer version is put and the key removed."""

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import child_env
+from conftest import child_env, short_tmpdir, wait_until
 
 import kvstore
 
@@ -103,3 +103,81 @@ def test_stats_with_many_long_client_names(daemon_factory):
     finally:
         for c in clients:
             c.close()
+
+
+def test_stats_pages_its_connections_and_the_client_and_cli_show_them_all(daemon_factory):
+    """300 connections, more than one stats reply carries (256): the daemon pages them by connection id (each
+    page within a frame, ``connections_more`` until the last), ``stats()`` asks for every page and so does
+    ``kvstore stats``; connections that close leave the listing."""
+    d = daemon_factory(capacity="32MiB", args=["--max-connections-per-peer", "400"])
+    names = [f"conn-{i:03d}-" + "\u20ac" * 200 for i in range(300)]
+    clients = [d.connect("tcp", client_name=name) for name in names]
+    try:
+        with d.connect("shm", client_name="watcher") as s:
+            stats = s.stats()
+            assert stats["connections_total"] == 301 and "connections_more" not in stats
+            ids = [c["id"] for c in stats["connections"]]
+            assert ids == sorted(set(ids)) and len(ids) == 301
+            shown = sorted(c["client"][:9] for c in stats["connections"] if c["client"].startswith("conn-"))
+            assert shown == [name[:9] for name in names]
+            assert all(len(c["client"]) < 200 for c in stats["connections"])  # cut: a page fits a frame
+            for c in clients[:150]:
+                c.close()
+            assert wait_until(lambda: len(s.stats()["connections"]) == 151, 20)
+            s.ping()
+        listed = kv("stats", "--url", d.unix_url)
+        assert listed.returncode == 0, listed.stderr.decode()
+        lines = [line for line in listed.stdout.decode().splitlines() if line.startswith("client ")]
+        assert len(lines) == 151, listed.stdout.decode()[-2000:]  # 150 open clients and the CLI's own
+        assert sum("conn-" in line for line in lines) == 150
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _meta_of(n: int) -> dict:
+    """User metadata of about ``n`` bytes (strings of at most 16 KiB each: the per-value bound)."""
+    return {"m": ["a" * 16000] * (n // 16000), "r": "b" * (n % 16000)}
+
+
+def test_a_reply_over_the_daemons_frame_limit_is_a_typed_error_on_that_request_and_the_connection_lives(
+        daemon_factory):
+    """An object stored with large metadata under the default frame limit, kept by the disk tier, read back
+    after a restart with ``--max-frame 256KiB``: the replies that carry its metadata (inspect, get) do not fit
+    in a frame. Those requests get FrameTooLargeError; the same connection goes on (other objects read back,
+    puts work) and so does the daemon for everyone else. A request over the daemon's limit is refused by the
+    client, unsent (the daemon's hello says its limit)."""
+    path = short_tmpdir()
+    disk = ("--disk-path", path, "--disk-capacity", "64MiB", "--disk-policy", "write-through")
+    try:
+        d = daemon_factory(capacity="8MiB", args=disk)
+        with d.connect("tcp") as s:
+            s.put("big-meta", b"x" * 1000, meta=_meta_of(600_000))
+            s.put("small", b"y")
+            assert wait_until(lambda: s.stats()["disk_writes"] == 2, 60), s.stats()
+        d.kill()
+        again = daemon_factory(capacity="8MiB", args=(*disk, "--max-frame", "256KiB"))
+        with again.connect("tcp") as s, again.connect("shm") as other:
+            for _ in range(2):  # twice: the first refusal left the connection in step
+                with pytest.raises(kvstore.FrameTooLargeError, match="exceeds the maximum of 262144"):
+                    s.inspect("big-meta")
+                with pytest.raises(kvstore.FrameTooLargeError, match="exceeds the maximum of 262144"):
+                    s.get("big-meta")
+            assert bytes(s.get("small")) == b"y" and s.keys() == ["big-meta", "small"]
+            _still_usable(s, "fr-")
+            with pytest.raises(kvstore.FrameTooLargeError, match="exceeds the maximum of 262144"):
+                s.put("too-big", b"z", meta=_meta_of(300_000))
+            _still_usable(s, "fr2-")
+            assert not s.exists("too-big") and other.inspect("fr-after")["size"] == 5
+        assert again.running()
+    finally:
+        subprocess.run(["rm", "-rf", path], check=False)
+
+
+def test_max_frame_is_checked_when_the_daemon_is_configured():
+    from kvstore.daemon.config import ServerConfig
+
+    assert ServerConfig(max_frame=256 << 10).max_frame == 256 << 10
+    for bad in (1000, (1 << 20) + 1, True, "1MiB"):
+        with pytest.raises(kvstore.InvalidArgumentError, match="max frame"):
+            ServerConfig(max_frame=bad)

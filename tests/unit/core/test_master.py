@@ -159,6 +159,19 @@ def test_expire_sweep(env):
     assert m.keys() == ["k3", "k4"]
 
 
+def test_touch_extends_an_expiry_and_never_shortens_it(env):
+    m, c, clock, _ = env
+    put(m, c, "a", 10, ttl=5)
+    put(m, c, "forever", 10)
+    assert m.touch("a", 20).meta.checksum == 123
+    assert m.touch("a", 1) is not None  # an earlier expiry than it has: kept as it is
+    assert m.touch("forever", 1) is not None and m.touch("missing", 1) is None
+    clock.t += 6
+    assert m.expire() == 0 and m.exists("a")  # the sweep's entry for the first expiry no longer drops it
+    clock.t += 15
+    assert m.expire() == 1 and not m.exists("a") and m.exists("forever")
+
+
 def test_dropped_client_loses_pending_puts_and_leases(env):
     m, c, _, _ = env
     other = m.register_client("dies")
