@@ -200,6 +200,10 @@ class EmbeddedStore(KVStore):
         with self._lock:
             return self._m().exists(key) or (self._disk is not None and self._disk.contains(key))
 
+    def _unpin(self, keys: list[str]) -> int:
+        with self._lock:
+            return sum(self._m().unpin(key) for key in keys)
+
     def _evict(self, key: str) -> bool:
         with self._lock:
             return self._m().evict(key) or (self._disk is not None and self._disk.discard(key))

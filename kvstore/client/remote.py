@@ -32,6 +32,7 @@ from kvstore.errors import (
     QuotaExceededError,
     StoreConnectionError,
     TransportError,
+    error_from_wire,
 )
 from kvstore.memory.device import DeviceBuffer
 from kvstore.memory.index import IndexReader
@@ -386,6 +387,26 @@ class RemoteStore(KVStore):
             region.release()
             self._conn.queue_release(reply["lease"])
 
+    def _get_many_views(self, keys: list[str]) -> list[KVObject | KVStoreError]:
+        if not isinstance(self._data, ShmTransport) or not keys:
+            return super()._get_many_views(keys)
+        replies = self._call("get_regions", keys=keys)
+        out: list[KVObject | KVStoreError] = []
+        for key, reply in zip(keys, replies, strict=True):
+            if "error" in reply:
+                out.append(error_from_wire(reply["error"], reply.get("message", key)))
+                continue
+            lease = reply["lease"]
+            try:
+                region = self._data.region(reply["segment"], reply["offset"], reply["size"])
+            except Exception as exc:  # noqa: BLE001 - this key fails; the others' leases stand
+                self._conn.queue_release(lease)
+                out.append(TransportError(f"object {key!r}: cannot map its region ({exc})"))
+                continue
+            out.append(KVObject.wrap(region, ObjectMeta.from_wire(reply["meta"]),
+                                     on_release=lambda lease=lease: self._conn.queue_release(lease)))
+        return out
+
     def _lease(self, key: str) -> tuple[Any, ObjectMeta]:
         reply = self._conn.call({"op": "lease", "key": key})
         return reply["lease"], ObjectMeta.from_wire(reply["meta"])
@@ -403,6 +424,10 @@ class RemoteStore(KVStore):
         keys = list(keys)
         return [found for start in range(0, max(len(keys), 1), wire.MAX_BATCH)
                 for found in self._call("batch_exists", keys=keys[start:start + wire.MAX_BATCH])]
+
+    def _unpin(self, keys: list[str]) -> int:
+        return sum(self._call("unpin", keys=keys[start:start + wire.MAX_BATCH])
+                   for start in range(0, len(keys), wire.MAX_BATCH))
 
     def _evict(self, key: str) -> bool:
         return self._call("evict", key=key)

@@ -29,7 +29,16 @@ class DiskOps:
             return {}
         return {"get": self.op_disk_get, "lease": self.op_disk_lease, "exists": self.op_disk_exists,
                 "batch_exists": self.op_disk_batch_exists, "evict": self.op_disk_evict,
-                "remove": self.op_disk_remove, "ls": self.op_disk_ls, "inspect": self.op_disk_inspect}
+                "remove": self.op_disk_remove, "ls": self.op_disk_ls, "inspect": self.op_disk_inspect,
+                "get_regions": self.op_disk_get_regions}
+
+    async def op_disk_get_regions(self, rid: int, f: dict) -> dict:
+        """Objects only on disk are promoted into memory first (a region must be mapped memory)."""
+        disk = self._disk
+        for key in f["keys"]:
+            if not self.master.exists(key) and disk.contains(key):
+                await disk.promote(key)
+        return await self.op_get_regions(rid, f)  # type: ignore[attr-defined]
 
     @property
     def _disk(self) -> DiskService:

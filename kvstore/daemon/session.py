@@ -297,6 +297,7 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
             "commit_many": self.op_commit_many, "abort": self.op_abort, "get": self.op_get,
             "release": self.op_release, "lease": self.op_lease, "exists": self.op_exists,
             "batch_exists": self.op_batch_exists, "evict": self.op_evict, "remove": self.op_remove,
+            "unpin": self.op_unpin, "get_regions": self.op_get_regions,
             "inspect": self.op_inspect, "stats": self.op_stats, "ls": self.op_ls, "wait": self.op_wait,
             # the GPU data path (kvstore.daemon.gpu_ops) and the UCX data path (kvstore.daemon.ucx_ops)
             "cuda_segments": self.op_cuda_segments, "cuda_put": self.op_cuda_put, "cuda_get": self.op_cuda_get,
@@ -464,6 +465,31 @@ class Session(ArenaOps, GpuOps, UcxOps, DiskOps, FrameOps, SessionGuards):
 
     async def op_batch_exists(self, rid: int, f: dict) -> dict:
         return self._ok(rid, value=[self.master.exists(k) for k in f["keys"]])
+
+    async def op_get_regions(self, rid: int, f: dict) -> dict:
+        """Lease every key and say where its bytes are (shm clients map them); a key that cannot be served
+        this way (absent, on the GPU tier, over the lease quota) gets its error instead, and the others
+        their leases."""
+        self._require_shm()
+        out: list[dict] = []
+        for key in f["keys"]:
+            try:
+                lease = self.master.lease(key, self.client)
+            except KVStoreError as exc:
+                out.append({"error": getattr(exc, "code", "Server"), "message": str(exc)})
+                continue
+            replica = lease.replica
+            if self._on_gpu(replica):
+                self.master.release(lease.id)
+                out.append({"error": "InvalidArgument", "message": f"object {key!r} is in GPU memory; get it "
+                            "on its own"})
+                continue
+            out.append({"meta": replica.meta.to_wire(), "segment": replica.segment, "offset": replica.offset,
+                        "size": replica.size, "lease": lease.id})
+        return self._ok(rid, value=out)
+
+    async def op_unpin(self, rid: int, f: dict) -> dict:
+        return self._ok(rid, value=sum(self.master.unpin(k) for k in f["keys"]))
 
     async def op_evict(self, rid: int, f: dict) -> dict:
         return self._ok(rid, value=self.master.evict(f["key"]))
