@@ -387,6 +387,9 @@ class RemoteStore(KVStore):
             region.release()
             self._conn.queue_release(reply["lease"])
 
+    def send_releases(self) -> None:
+        self._conn.send_releases()
+
     def _get_many_views(self, keys: list[str]) -> list[KVObject | KVStoreError]:
         if not isinstance(self._data, ShmTransport) or not keys:
             return super()._get_many_views(keys)

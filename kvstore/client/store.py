@@ -198,6 +198,11 @@ class KVStore(ABC):
             return self._get_many_views(keys)
         return [self._get_or_error(key, copy=True) for key in keys]
 
+    def send_releases(self) -> None:
+        """Hand released leases back to the store now (a daemon client otherwise sends them with its next
+        request); no round trip. A no-op where releases are immediate."""
+        return None
+
     def _get_or_error(self, key: str, *, copy: bool) -> KVObject | KVStoreError:
         try:
             return self._get(key, copy=copy)

@@ -148,7 +148,7 @@ class BlockIO:
 
     def _load_leased(self, store: KVStore, items: Sequence[tuple[str, int]], result: LoadResult) -> list[int]:
         """Lease every block of a chunk in one round trip (``get_many``), scatter each from its view of the
-        store's memory, release each lease once its scatter ends (the releases ride on the next request)."""
+        store's memory, release each lease once its scatter ends (sent at the end, without a round trip)."""
         self._ids([b for _, b in items])  # range check, before anything is leased
         failed: list[int] = []
         for start in range(0, len(items), MAX_LEASES):
@@ -171,6 +171,7 @@ class BlockIO:
                 except KVStoreError as exc:
                     self._count_failure(exc, result)
                     failed.append(block_id)
+        store.send_releases()  # the blocks are evictable again now, not at the loader's next request
         return failed
 
     @staticmethod
