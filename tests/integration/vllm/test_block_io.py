@@ -225,12 +225,12 @@ def wait_done(loader, n: int) -> list:
 def test_async_loader_of_a_consumer_unpins_the_hand_off_blocks_it_loaded(daemon_factory):
     from kvstore.integrations.vllm.loader import AsyncLoader
 
+    counts, count = counter()  # imports vLLM: slow on a loaded machine, so before the TTL starts
     d = daemon_factory(capacity="16MiB")
     s = d.connect("tcp", timeout=2.0)
     _, src = caches(1)
-    BlockIO(src, LAYOUT).save(s, [("blockio/p0", 0), ("blockio/p1", 1), ("blockio/p2", 2)], ttl=60.0, pin=True)
+    BlockIO(src, LAYOUT).save(s, [("blockio/p0", 0), ("blockio/p1", 1), ("blockio/p2", 2)], ttl=3600.0, pin=True)
     assert s.stats()["pinned_objects"] == 3
-    counts, count = counter()
     _, dst = caches(2)
     loader = AsyncLoader(BlockIO(dst, LAYOUT), StoreLink(d.unix_url, timeout=2.0, retry_s=60, name="test",
                                                          transport="tcp"), unpin=True, count=count)
@@ -241,5 +241,5 @@ def test_async_loader_of_a_consumer_unpins_the_hand_off_blocks_it_loaded(daemon_
     stats = s.stats()
     assert stats["pinned_objects"] == 1  # the block nobody loaded stays pinned until its TTL
     assert not s.inspect("blockio/p0")["pinned"] and s.inspect("blockio/p2")["pinned"]
-    assert s.inspect("blockio/p1")["ttl_s"] == 60.0
+    assert s.inspect("blockio/p1")["ttl_s"] == 3600.0
     s.close()
