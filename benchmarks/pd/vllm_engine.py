@@ -11,9 +11,11 @@ loop. The router speaks JSON lines (never pickle):
   and seconds the connector moved for it), and ``{"ev": "stats", ...}`` at stop (the step timeline, CPU
   seconds, RSS, the connector's counters).
 
-Times are ``time.monotonic()`` (one clock for every process on the host) minus the run's ``t0``. The
-connector's counters are read around every step; their deltas (bytes and seconds loaded or saved) are
-shared among the requests whose first step it was, in proportion to their prompt lengths.
+Times are ``time.monotonic()`` (one clock for every process on the host) minus the run's ``t0``. A request's
+KV bytes and seconds are the connector's own per-request record (``KVStoreConnector.request_transfers``: its
+loader and saver threads count under the request, whatever step a transfer lands in); a producer's include
+its saves still in flight when it finished. The connector's counters are also read around every step (the
+timeline's transfer seconds).
 """
 
 from __future__ import annotations
@@ -95,6 +97,21 @@ def _counters() -> dict[str, float]:
         for k, v in conn.counters.as_dict().items():
             total[k] = total.get(k, 0) + v
     return total
+
+
+def _request_transfers(req_id: str) -> tuple[int, float]:
+    """(bytes, seconds) the connector moved for a request: loaded, saved, and still being saved."""
+    try:
+        from kvstore.integrations.vllm import live_connectors
+    except ImportError:
+        return 0, 0.0
+    nbytes, seconds = 0, 0.0
+    for conn in live_connectors():
+        record = conn.request_transfers(req_id)
+        if record:
+            nbytes += record["load_bytes"] + record["save_bytes"] + record["save_pending_bytes"]
+            seconds += record["load_seconds"] + record["save_seconds"]
+    return int(nbytes), seconds
 
 
 class _Request:
@@ -180,9 +197,7 @@ class Instance:
             if req.first_start is None:
                 req.first_start, req.first_end = start, end
                 started.append(req)
-        moved = {k: c1.get(k, 0) - c0.get(k, 0) for k in ("load_bytes", "load_seconds", "save_bytes",
-                                                          "save_seconds")}
-        self._attribute(started, moved)
+        moved = {k: c1.get(k, 0) - c0.get(k, 0) for k in ("load_seconds", "save_seconds")}
         blocks, used = self._kv_used()
         self.peak_kv_bytes = max(self.peak_kv_bytes, used)
         self.timeline.append([round(start, 6), round(end, 6), prefill, decode, len(started), len(self.live),
@@ -196,18 +211,6 @@ class Instance:
         usage = pool.get_usage()
         return round(usage * pool.num_gpu_blocks), int(usage * self.spec.kv_cache_bytes)
 
-    def _attribute(self, started: list[_Request], moved: dict) -> None:
-        """Share a step's connector traffic out by prompt length. Saves go to the requests that started in the
-        step; loads also to those still waiting for their KV (an asynchronous load lands between steps, before
-        the request computes anything)."""
-        waiting = [r for r in self.live.values() if r.first_start is None]
-        for kind, reqs in (("save", started), ("load", started + waiting)):
-            total = sum(r.prompt_tokens for r in reqs)
-            for req in reqs:
-                share = req.prompt_tokens / total
-                req.kv_bytes += round(moved[f"{kind}_bytes"] * share)
-                req.kv_s += moved[f"{kind}_seconds"] * share
-
     def _on_output(self, out, t: float) -> None:
         rid = next((k for k in (out.request_id, getattr(out, "external_req_id", None)) if k in self.live), None)
         if rid is None:
@@ -220,6 +223,7 @@ class Instance:
         req.ids = ids
         if out.finished:
             del self.live[rid]
+            req.kv_bytes, req.kv_s = _request_transfers(rid)
             if req.first_start is None:  # finished within one step that the scan above did not see
                 req.first_start, req.first_end = req.token_times[0], req.token_times[0]
             self.emit({"ev": "done", "id": req.id, "output_ids": req.ids, "token_times_s": req.token_times,

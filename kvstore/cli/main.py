@@ -110,8 +110,8 @@ def _stats(args: argparse.Namespace) -> int:
         return 0
     used, cap = stats["used_bytes"], stats["capacity_bytes"]
     print(f"capacity      {format_size(cap)}\nused          {format_size(used)} ({100 * used / max(cap, 1):.1f} %)")
-    for name in ("objects", "pending", "leases", "evictions", "expirations", "clients", "fragmentation", "relocations",
-                 "refusals"):
+    for name in ("objects", "pending", "leases", "pinned_objects", "evictions", "expirations", "clients",
+                 "fragmentation", "relocations", "refusals"):
         print(f"{name:<14}{stats.get(name, '-')}")  # a cluster client's totals lack the per-daemon ones
     if "disk_capacity_bytes" in stats:
         dused, dcap = stats["disk_used_bytes"], stats["disk_capacity_bytes"]

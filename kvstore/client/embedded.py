@@ -208,6 +208,10 @@ class EmbeddedStore(KVStore):
         return [r.meta.checksum if r is not None else None if d is None else decode_meta(d.meta).checksum
                 for r, d in zip(touched, on_disk, strict=True)]
 
+    def _unpin(self, keys: list[str]) -> int:
+        with self._lock:
+            return sum(self._m().unpin(key) for key in keys)
+
     def _evict(self, key: str) -> bool:
         with self._lock:
             return self._m().evict(key) or (self._disk is not None and self._disk.discard(key))

@@ -82,21 +82,30 @@ def get_pages(store: KVStore, items: Sequence[tuple[str, Any]], kv_caches: Seque
               layout: KVLayout, verify: bool) -> int:
     """Scatter every stored object into its blocks; returns the bytes moved. Each object is checked (and, with
     ``verify``, its checksum) before any of its bytes reach the caches."""
+
+    total = 0
+    for key, block_ids in items:
+        with store.get(key, copy=False) as obj:
+            total += scatter_object(obj, block_ids, kv_caches, layout, verify)
+    return total
+
+
+def scatter_object(obj: Any, block_ids: Any, kv_caches: Sequence[torch.Tensor], layout: KVLayout,
+                   verify: bool) -> int:
+    """Scatter one stored object (held by the caller) into blocks ``block_ids``; returns its bytes. Checked
+    (and, with ``verify``, its checksum) before any byte reaches the caches."""
     from kvstore import ops
 
     device = kv_caches[0].device if len(kv_caches) else "cpu"
-    total = 0
-    for key, block_ids in items:
-        ids = block_tensor(block_ids, device)
-        with store.get(key, copy=False) as obj:
-            check_object(obj.meta, layout, len(ids))
-            view = memoryview(obj)
-            if verify and obj.meta.checksum is not None and checksum_of(view) != obj.meta.checksum:
-                raise ChecksumError(f"object {key!r}: bytes differ from the checksum recorded at commit")
-            src = ops.packed_view(view, layout, len(ids))
-            if device != "cpu" and getattr(device, "type", "cpu") != "cpu":
-                src = src.to(device)
-            ops.scatter_pages(src, ids, kv_caches, layout=layout)
-            total += len(view)
-            del src, view
-    return total
+    ids = block_tensor(block_ids, device)
+    check_object(obj.meta, layout, len(ids))
+    view = memoryview(obj)
+    if verify and obj.meta.checksum is not None and checksum_of(view) != obj.meta.checksum:
+        raise ChecksumError(f"object {obj.meta.key!r}: bytes differ from the checksum recorded at commit")
+    src = ops.packed_view(view, layout, len(ids))
+    if device != "cpu" and getattr(device, "type", "cpu") != "cpu":
+        src = src.to(device)
+    ops.scatter_pages(src, ids, kv_caches, layout=layout)
+    nbytes = len(view)
+    del src, view
+    return nbytes

@@ -26,7 +26,7 @@ from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta
 from kvstore.core.value import KVObject, Payload
-from kvstore.errors import InvalidArgumentError, StoreConnectionError, TransportError
+from kvstore.errors import InvalidArgumentError, KVStoreError, StoreConnectionError, TransportError, error_from_wire
 from kvstore.memory.index import IndexReader
 from kvstore.memory.shm import SharedMemory, SharedMemoryError
 from kvstore.protocol import wire
@@ -261,6 +261,30 @@ class RemoteStore(KVStore):
             region.release()
             self._conn.queue_release(reply["lease"])
 
+    def send_releases(self) -> None:
+        self._conn.send_releases()
+
+    def _get_many_views(self, keys: list[str]) -> list[KVObject | KVStoreError]:
+        regions = self._regions
+        if regions is None or not keys:  # not mapped here: one read per key
+            return super()._get_many_views(keys)
+        replies = self._call("get_regions", keys=keys)
+        out: list[KVObject | KVStoreError] = []
+        for key, reply in zip(keys, replies, strict=True):
+            if "error" in reply:
+                out.append(error_from_wire(reply["error"], reply.get("message", key)))
+                continue
+            lease = reply["lease"]
+            try:
+                region = regions.region(reply["segment"], reply["offset"], reply["size"])
+            except Exception as exc:  # noqa: BLE001 - this key fails; the others' leases stand
+                self._conn.queue_release(lease)
+                out.append(TransportError(f"object {key!r}: cannot map its region ({exc})"))
+                continue
+            out.append(KVObject.wrap(region, ObjectMeta.from_wire(reply["meta"]),
+                                     on_release=lambda lease=lease: self._conn.queue_release(lease)))
+        return out
+
     def _lease(self, key: str) -> tuple[Any, ObjectMeta]:
         reply = self._conn.call({"op": "lease", "key": key})
         return reply["lease"], ObjectMeta.from_wire(reply["meta"])
@@ -278,6 +302,10 @@ class RemoteStore(KVStore):
         keys = list(keys)
         return [found for start in range(0, max(len(keys), 1), wire.MAX_BATCH)
                 for found in self._call("batch_exists", keys=keys[start:start + wire.MAX_BATCH])]
+
+    def _unpin(self, keys: list[str]) -> int:
+        return sum(self._call("unpin", keys=keys[start:start + wire.MAX_BATCH])
+                   for start in range(0, len(keys), wire.MAX_BATCH))
 
     def _evict(self, key: str) -> bool:
         return bool(self._call("evict", key=key))

@@ -210,6 +210,15 @@ class Connection:
             if timeout is not None and self._sock is not None:
                 self._sock.settimeout(self.timeout)
 
+    def send_releases(self) -> None:
+        """Send the queued releases now (no reply awaited) instead of with the next request."""
+        with self._lock:
+            if self._sock is not None and self._releases:
+                try:
+                    self._flush_releases(self._sock)
+                except OSError:
+                    pass  # the next request reports the broken connection (and the daemon drops its leases)
+
     def _flush_releases(self, sock: socket.socket) -> None:
         while self._releases:
             lease = self._releases.popleft()

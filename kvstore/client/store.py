@@ -19,7 +19,7 @@ from kvstore.client.staging import Staged, StagingPool
 from kvstore.core.digest import Digest, checksum_of
 from kvstore.core.meta import ObjectMeta, validate_key, validate_ttl, validate_user_meta
 from kvstore.core.value import KVObject, Payload, as_payload, writable_view
-from kvstore.errors import BufferTooSmallError, ChecksumError, InvalidArgumentError
+from kvstore.errors import BufferTooSmallError, ChecksumError, InvalidArgumentError, KVStoreError, StoreConnectionError
 from kvstore.gpu import runtime as gpu
 from kvstore.units import parse_size
 
@@ -187,6 +187,33 @@ class KVStore(ABC):
             self._verify(obj.meta, memoryview(obj))
         return obj
 
+    def get_many(self, keys: Sequence[str], *, copy: bool = False) -> list[KVObject | KVStoreError]:
+        """``get`` of several keys: per key, the object (a zero-copy view under a lease, as ``get(copy=False)``,
+        unless ``copy``) or the typed error that key met (KeyNotFoundError...). Only a lost connection raises.
+        A same-host daemon leases all of them in one round trip; release each object (``with`` or
+        ``release()``) when done."""
+        keys = [validate_key(k) for k in keys]
+        self._check_batch(len(keys), "get_many")
+        if not copy:
+            return self._get_many_views(keys)
+        return [self._get_or_error(key, copy=True) for key in keys]
+
+    def send_releases(self) -> None:
+        """Hand released leases back to the store now (a daemon client otherwise sends them with its next
+        request); no round trip. A no-op where releases are immediate."""
+        return None
+
+    def _get_or_error(self, key: str, *, copy: bool) -> KVObject | KVStoreError:
+        try:
+            return self._get(key, copy=copy)
+        except StoreConnectionError:
+            raise
+        except KVStoreError as exc:
+            return exc
+
+    def _get_many_views(self, keys: list[str]) -> list[KVObject | KVStoreError]:
+        return [self._get_or_error(key, copy=False) for key in keys]
+
     def get_into(self, key: str, out: Any, *, verify: bool = False) -> int:
         """Copy the object into ``out`` (numpy array, torch CPU tensor, bytearray, writable memoryview);
         returns the number of bytes written. BufferTooSmallError (nothing written) if it does not fit.
@@ -226,6 +253,15 @@ class KVStore(ABC):
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return self._batch_exists([validate_key(k) for k in keys])
+
+    def unpin(self, keys: Sequence[str]) -> int:
+        """Make pinned objects (``put(..., pin=True)``) ordinary cache entries again: evictable, most recently
+        used, their TTL still running. Absent or unpinned keys are skipped; returns how many were unpinned."""
+        keys = [validate_key(k) for k in keys]
+        return self._unpin(keys) if keys else 0
+
+    def _unpin(self, keys: list[str]) -> int:
+        raise InvalidArgumentError(f"{type(self).__name__} cannot unpin objects")
 
     def evict(self, key: str) -> bool:
         """Drop the object as the cache would; False if absent. Leased or pinned: ObjectBusyError."""

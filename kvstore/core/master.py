@@ -213,6 +213,9 @@ class Master:
         self._ids = itertools.count(1)
         self.evictions = 0
         self.expirations = 0
+        self.unpins = 0
+        self._pinned_objects = 0   # live pinned objects, and their reserved bytes
+        self._pinned_bytes = 0
         self.relocations = 0
         self.relocated_bytes = 0
         self.refusals = 0  # StoreFullError raised for lack of space
@@ -380,6 +383,9 @@ class Master:
             self._clients[replica.client].ephemeral[replica.key] = replica.id
         if not replica.pinned:
             self.policy.add(replica.key)
+        else:
+            self._pinned_objects += 1
+            self._pinned_bytes += replica.reserved
         self.listener.published(replica)
         return replica
 
@@ -469,6 +475,19 @@ class Master:
         self._evict_replica(replica)
         return True
 
+    def unpin(self, key: str) -> bool:
+        """Make a pinned object an ordinary cache entry again (evictable, most recently used; its TTL still
+        runs). False if ``key`` is absent or not pinned."""
+        replica = self._lookup_live(key)
+        if replica is None or not replica.pinned:
+            return False
+        replica.pinned = False
+        self._pinned_objects -= 1
+        self._pinned_bytes -= replica.reserved
+        self.policy.add(key)
+        self.unpins += 1
+        return True
+
     def remove(self, key: str) -> bool:
         """Delete ``key`` (pinned or not); a leased object raises ObjectBusyError."""
         replica = self._lookup_live(key)
@@ -506,6 +525,7 @@ class Master:
             "capacity_bytes": self.capacity, "used_bytes": self.used_bytes, "objects": len(self._live),
             "pending": len(self._pending), "leases": len(self._leases), "evictions": self.evictions,
             "expirations": self.expirations, "clients": len(self._clients),
+            "pinned_objects": self._pinned_objects, "pinned_bytes": self._pinned_bytes, "unpins": self.unpins,
             "relocations": self.relocations, "relocated_bytes": self.relocated_bytes, "refusals": self.refusals,
             "fill_at_first_eviction": self.fill_at_first_eviction, "fill_at_first_refusal": self.fill_at_first_refusal,
             "quarantined_bytes": self.quarantined_bytes(), "quarantined_clients": len(self._quarantine),
@@ -705,6 +725,9 @@ class Master:
         """Stop showing ``replica``; free its space now, or when its last lease goes."""
         if replica.live:
             replica.live = False
+            if replica.pinned:
+                self._pinned_objects -= 1
+                self._pinned_bytes -= replica.reserved
             if self._live.get(replica.key) is replica:
                 del self._live[replica.key]
             self.policy.discard(replica.key)

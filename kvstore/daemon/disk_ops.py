@@ -24,18 +24,28 @@ if TYPE_CHECKING:
 
 class DiskOps:
     """Its ``handlers()`` override entries of the session's op table when a disk tier runs; ``get``, ``lease``,
-    ``inspect`` and ``touch`` are the session's memory-only handlers it wraps (a subclass's overrides included)."""
+    ``inspect``, ``touch`` and ``get_regions`` are the session's memory-only handlers it wraps (a subclass's
+    overrides included)."""
 
     def __init__(self, session: SessionContext, disk: DiskService, *, get: Handler, lease: Handler,
-                 inspect: Handler, touch: Handler):
+                 inspect: Handler, touch: Handler, get_regions: Handler):
         self.s, self._disk = session, disk
         self._get, self._lease, self._inspect, self._touch = get, lease, inspect, touch
+        self._get_regions = get_regions
 
     def handlers(self) -> dict[str, Handler]:
         return {"get": self.op_disk_get, "lease": self.op_disk_lease, "exists": self.op_disk_exists,
                 "batch_exists": self.op_disk_batch_exists, "evict": self.op_disk_evict,
                 "remove": self.op_disk_remove, "ls": self.op_disk_ls, "inspect": self.op_disk_inspect,
-                "touch": self.op_disk_touch}
+                "touch": self.op_disk_touch, "get_regions": self.op_disk_get_regions}
+
+    async def op_disk_get_regions(self, rid: int, f: dict[str, Any]) -> dict[str, Any] | None:
+        """Objects only on disk are promoted into memory first (a region must be mapped memory)."""
+        disk = self._disk
+        for key in f["keys"]:
+            if not self.s.master.exists(key) and disk.contains(key):
+                await disk.promote(key)
+        return await self._get_regions(rid, f)
 
     async def op_disk_get(self, rid: int, f: dict[str, Any]) -> dict[str, Any] | None:
         try:

@@ -28,9 +28,9 @@ class Metrics:
             def collect(self_inner) -> Iterator[GaugeMetricFamily]:
                 s = read_stats()
                 for name in ("capacity_bytes", "used_bytes", "objects", "leases", "pending", "evictions",
-                             "expirations", "clients"):
+                             "expirations", "clients", "pinned_objects", "pinned_bytes", "unpins"):
                     g = GaugeMetricFamily(f"kvstore_{name}", f"Store {name.replace('_', ' ')}")
-                    g.add_metric([], s[name])
+                    g.add_metric([], s.get(name, 0))
                     yield g
                 refused = s.get("cluster", {}).get("refused")
                 if refused is not None:  # a cluster member: peers that failed the handshake

@@ -88,7 +88,7 @@ class Session:
         self.gpu = GpuOps(self)
         self.arena = ArenaOps(self, self.ucx)
         self.disk = DiskOps(self, ctx.disk, get=self.op_get, lease=self.op_lease, inspect=self.op_inspect,
-                            touch=self.op_touch) \
+                            touch=self.op_touch, get_regions=self.op_get_regions) \
             if ctx.disk is not None else None  # with --disk-path
         self._handlers = self.handlers()
 
@@ -266,6 +266,7 @@ class Session:
             "commit_many": self.op_commit_many, "abort": self.op_abort, "get": self.op_get,
             "release": self.op_release, "lease": self.op_lease, "exists": self.op_exists,
             "batch_exists": self.op_batch_exists, "evict": self.op_evict, "remove": self.op_remove,
+            "unpin": self.op_unpin, "get_regions": self.op_get_regions,
             "inspect": self.op_inspect, "stats": self.op_stats, "ls": self.op_ls, "wait": self.op_wait,
             "touch": self.op_touch,
         }
@@ -437,6 +438,31 @@ class Session:
 
     async def op_batch_exists(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         return self._ok(rid, value=[self.master.exists(k) for k in f["keys"]])
+
+    async def op_get_regions(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
+        """Lease every key and say where its bytes are (shm clients map them); a key that cannot be served
+        this way (absent, on the GPU tier, over the lease quota) gets its error instead, and the others
+        their leases."""
+        self.require_shm()
+        out: list[dict[str, Any]] = []
+        for key in f["keys"]:
+            try:
+                lease = self.master.lease(key, client_of(self))
+            except KVStoreError as exc:
+                out.append({"error": getattr(exc, "code", "Server"), "message": str(exc)})
+                continue
+            replica = lease.replica
+            if self.gpu.on_gpu(replica):
+                self.master.release(lease.id)
+                out.append({"error": "InvalidArgument", "message": f"object {key!r} is in GPU memory; get it "
+                            "on its own"})
+                continue
+            out.append({"meta": replica.meta.to_wire(), "segment": replica.segment, "offset": replica.offset,
+                        "size": replica.size, "lease": lease.id})
+        return self._ok(rid, value=out)
+
+    async def op_unpin(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
+        return self._ok(rid, value=sum(self.master.unpin(k) for k in f["keys"]))
 
     async def op_evict(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:
         return self._ok(rid, value=self.master.evict(f["key"]))

@@ -298,6 +298,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "lease": dict(_KEY),
     "exists": dict(_KEY),
     "batch_exists": {"keys": (_keys, True, None)},
+    "unpin": {"keys": (_keys, True, None)},
+    # region-mode gets of several objects at once (same-host shm clients): one lease each, one round trip
+    "get_regions": {"keys": (_keys, True, None)},
     "evict": dict(_KEY),
     "remove": dict(_KEY),
     "inspect": dict(_KEY),

@@ -9,8 +9,9 @@ The paths, on a same-host daemon:
 - save (:meth:`save`): one reservation gathers the blocks (all layers) straight into the store's memory and
   commits them all or nothing: one copy, one commit round trip a chunk (the saver thread calls it while vLLM
   keeps the blocks, so nothing is copied first).
-- load, blocks of at least ``LEASED_LOAD_MIN`` bytes: ``get_pages`` scatters each block from a leased view
-  of the store's memory (checksum verified first): one copy and one round trip a block.
+- load, blocks of at least ``LEASED_LOAD_MIN`` bytes: ``get_many`` leases all of a request's blocks in one
+  round trip, and each block is scattered from its leased view of the store's memory (checksum verified
+  first): one copy a block, one round trip a request.
 - load, smaller blocks: ``get_into`` through the daemon's shared-memory index (no round trip) into a staging
   buffer (verified), then ``scatter_pages``: two copies, where a round trip would cost more than the copy.
 Pages are packed as the layout's kind (``VLLM_HNC``, ``VLLM_NHC`` or ``MLA``, see :mod:`.cache_layouts`), in
@@ -39,6 +40,8 @@ from kvstore.layout import KVLayoutKind
 STAGING_BYTES = 64 << 20  # blocks are moved in chunks of at most this many bytes (at least one block)
 # At ~5 GB/s a round trip of 50-400 us costs as much as copying 0.25-2 MB: above this, a lease beats a copy.
 LEASED_LOAD_MIN = 1 << 20
+#: blocks leased in one round trip (the daemon takes at most 4096 keys a request)
+MAX_LEASES = 128
 
 
 @dataclass(slots=True)
@@ -144,19 +147,31 @@ class BlockIO:
         return result
 
     def _load_leased(self, store: KVStore, items: Sequence[tuple[str, int]], result: LoadResult) -> list[int]:
+        """Lease every block of a chunk in one round trip (``get_many``), scatter each from its view of the
+        store's memory, release each lease once its scatter ends (sent at the end, without a round trip)."""
+        self._ids([b for _, b in items])  # range check, before anything is leased
         failed: list[int] = []
-        for i, (key, block_id) in enumerate(items):
-            self._ids([block_id])
+        for start in range(0, len(items), MAX_LEASES):
+            chunk = items[start:start + MAX_LEASES]
             try:
-                store.get_pages(key, self._pages, [block_id], layout=self._kernel_layout, verify=self.verify)
-                result.loaded += 1
+                objs = store.get_many([key for key, _ in chunk])
             except StoreConnectionError:
                 result.connection_lost = True
-                failed.extend(b for _, b in items[i:])
+                failed.extend(b for _, b in items[start:])
                 break
-            except KVStoreError as exc:
-                self._count_failure(exc, result)
-                failed.append(block_id)
+            for (_, block_id), obj in zip(chunk, objs, strict=True):
+                if isinstance(obj, KVStoreError):
+                    self._count_failure(obj, result)
+                    failed.append(block_id)
+                    continue
+                try:
+                    with obj:
+                        pages.scatter_object(obj, [block_id], self._pages, self._kernel_layout, self.verify)
+                    result.loaded += 1
+                except KVStoreError as exc:
+                    self._count_failure(exc, result)
+                    failed.append(block_id)
+        store.send_releases()  # the blocks are evictable again now, not at the loader's next request
         return failed
 
     @staticmethod

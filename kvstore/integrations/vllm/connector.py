@@ -93,6 +93,20 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Worker half: block until queued asynchronous saves are in the store (True) or ``timeout`` passes."""
         return self._worker.drain_saves(timeout) if self._worker is not None else True
 
+    def request_transfers(self, req_id: str, *, pop: bool = True) -> dict[str, int | float] | None:
+        """Worker half: the KV this worker loaded and saved for ``req_id`` (``load_bytes``, ``load_seconds``,
+        ``loaded_blocks``, ``save_bytes``, ``save_seconds``, ``saved_blocks`` landed, ``save_pending_bytes``
+        still queued), whatever step it landed in; None when it moved nothing (or on the scheduler half).
+        ``pop`` forgets the record (records are otherwise kept for the last 4096 requests)."""
+        if self._worker is None:
+            return None
+        record = self._worker.request_transfers(req_id, pop=pop)
+        return None if record is None else record.as_dict()
+
+    def request_transfer_ids(self) -> list[str]:
+        """Worker half: the request ids :meth:`request_transfers` holds a record for (oldest first)."""
+        return self._worker.requests.ids() if self._worker is not None else []
+
     # ---- scheduler side -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.block_io import BlockIO, LoadResult
-from kvstore.integrations.vllm.store_link import StoreLink, StoreUnavailable, log
+from kvstore.integrations.vllm.store_link import CONNECTION_ERRORS, StoreLink, StoreUnavailable, log
 
 
 class AsyncLoader:
-    def __init__(self, io: BlockIO, link: StoreLink):
+    def __init__(self, io: BlockIO, link: StoreLink, *, unpin: bool = False,
+                 count: Callable[..., None] | None = None):
         self.io, self.link = io, link
+        self.unpin, self._count = unpin, count
         self._queue: queue.Queue = queue.Queue()
         self._done: list[tuple[str, LoadResult]] = []
         self._lock = threading.Lock()
@@ -55,6 +58,9 @@ class AsyncLoader:
             with self._lock:
                 self._in_flight -= 1
                 self._done.append((req_id, result))
+            if self.unpin and result.loaded:  # after the report: the request does not wait for it
+                failed = set(result.failed_blocks)
+                self._unpin(req_id, [key for key, block in items if block not in failed])
 
     def _load(self, req_id: str, items: list[tuple[str, int]]) -> LoadResult:
         every = tuple(b for _, b in items)
@@ -72,7 +78,36 @@ class AsyncLoader:
             self.link.fault(ConnectionError("connection lost during a load"))
         return result
 
+    def _unpin(self, req_id: str, keys: list[str]) -> None:
+        """The decode side consumed these hand-off blocks: unpin them (ordinary cache entries again, their TTL
+        still running). Best effort: a failure leaves them pinned until the TTL."""
+        try:
+            n = unpin_loaded(self.link, keys)
+        except Exception as exc:  # noqa: BLE001 - the loader thread must survive
+            log.info("kvstore loader: hand-off blocks of request %s stay pinned until their TTL (%s: %s)", req_id,
+                     type(exc).__name__, exc)
+            return
+        if self._count is not None and n:
+            self._count(unpinned_blocks=n)
+
     def close(self, timeout: float) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
         self.link.close()
+
+
+def unpin_loaded(link: StoreLink, keys: list[str]) -> int:
+    """Unpin ``keys`` (one round trip); how many were pinned. A store fault is recorded on the link and
+    reported as 0 (the blocks stay pinned until their TTL)."""
+    if not keys:
+        return 0
+    try:
+        return link.client().unpin(keys)
+    except StoreUnavailable:
+        return 0
+    except CONNECTION_ERRORS as exc:
+        link.fault(exc)
+        return 0
+    except KVStoreError as exc:
+        log.info("kvstore: hand-off blocks stay pinned until their TTL (%s: %s)", type(exc).__name__, exc)
+        return 0

@@ -34,6 +34,7 @@ _HELP = {
     "promised_misses": "Promised requests that found fewer blocks than promised",
     "promised_missing_blocks": "Promised blocks missing from the store",
     "promise_layout_mismatches": "Promises made under another layout fingerprint",
+    "unpinned_blocks": "Pinned hand-off blocks unpinned once the decode side loaded them",
 }
 
 

@@ -51,6 +51,7 @@ class AsyncSaver:
                 return
             self._pending_bytes += nbytes
             self._pending[req_id] = self._pending.get(req_id, 0) + 1
+        self._count(req_id=req_id, save_pending_bytes=nbytes)
         self._queue.put((req_id, list(items), nbytes, pin, self.ttl if ttl is None else ttl))
 
     def busy(self, req_id: str) -> bool:
@@ -91,9 +92,12 @@ class AsyncSaver:
             if job is None:
                 return
             req_id, items, nbytes, pin, ttl = job
+            outcome: dict[str, float] = {"dropped_saves": len(items)}
             try:
-                self._write(items, pin, ttl)
+                outcome = self._write(items, pin, ttl)
             finally:
+                # one count: a reader never sees a save both pending and landed (or neither)
+                self._count(req_id=req_id, save_pending_bytes=-nbytes, **outcome)
                 with self._idle:
                     self._pending_bytes -= nbytes
                     left = self._pending.pop(req_id) - 1
@@ -101,31 +105,29 @@ class AsyncSaver:
                         self._pending[req_id] = left
                     self._idle.notify_all()
 
-    def _write(self, items: list[tuple[str, int]], pin: bool, ttl: float | None) -> None:
+    def _write(self, items: list[tuple[str, int]], pin: bool, ttl: float | None) -> dict[str, float]:
+        """Write the blocks; returns the counters' deltas (saved, or dropped and why)."""
+        dropped: dict[str, float] = {"dropped_saves": len(items)}
         try:
             store = self.link.client()
         except StoreUnavailable:
-            self._count(dropped_saves=len(items))
-            return
+            return dropped
         start = time.perf_counter()
         try:
             nbytes = self.io.save(store, items, ttl, pin=pin)
         except CONNECTION_ERRORS as exc:
             self.link.fault(exc)
-            self._count(dropped_saves=len(items), store_faults=1)
-            return
+            return {**dropped, "store_faults": 1}
         except KVStoreError as exc:
-            self._count(dropped_saves=len(items))
             if not self._warned:
                 self._warned = True
                 log.warning("kvstore saver: dropping saves (%s: %s); further drops are only counted",
                             type(exc).__name__, exc)
-            return
+            return dropped
         except Exception as exc:  # noqa: BLE001 - the thread must survive to report every request
-            self._count(dropped_saves=len(items))
             log.warning("kvstore saver: save failed (%s: %s); dropped", type(exc).__name__, exc)
-            return
-        self._count(saved_blocks=len(items), save_bytes=nbytes, save_seconds=time.perf_counter() - start)
+            return dropped
+        return {"saved_blocks": len(items), "save_bytes": nbytes, "save_seconds": time.perf_counter() - start}
 
     def close(self, timeout: float) -> None:
         self.drain(timeout)

@@ -37,6 +37,7 @@ class Counters:
     promised_misses: int = 0    # scheduler: promised requests that found fewer blocks than promised
     promised_missing_blocks: int = 0
     promise_layout_mismatches: int = 0  # scheduler: promises made under another layout fingerprint
+    unpinned_blocks: int = 0    # worker (kv_consumer): pinned hand-off blocks unpinned once loaded
 
     def add(self, other: Counters) -> None:
         for f in dataclasses.fields(self):

@@ -10,6 +10,7 @@ save is dropped and counted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -21,21 +22,28 @@ from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.block_io import BlockIO, LoadResult
 from kvstore.integrations.vllm.config import ConnectorConfig
 from kvstore.integrations.vllm.keys import CacheLayout, block_key, layout_key, model_layouts_prefix
-from kvstore.integrations.vllm.loader import AsyncLoader
+from kvstore.integrations.vllm.loader import AsyncLoader, unpin_loaded
+from kvstore.integrations.vllm.request_bytes import RequestTransfer, RequestTransfers
 from kvstore.integrations.vllm.saver import AsyncSaver
 from kvstore.integrations.vllm.scheduler import KVStoreConnectorMetadata
 from kvstore.integrations.vllm.stats import Counters
 from kvstore.integrations.vllm.store_link import CONNECTION_ERRORS, StoreLink, StoreUnavailable, log
+
+_COUNTER_FIELDS = frozenset(f.name for f in dataclasses.fields(Counters))
+_REQUEST_FIELDS = frozenset(f.name for f in dataclasses.fields(RequestTransfer))
 
 
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, layout: CacheLayout, layer_names: list[str], counters: Counters,
                  role: str = "kv_both"):
         self.config = config
+        #: the decode side of a hand-off unpins the pinned blocks it loaded (their TTL stays the backstop)
+        self.unpin_loaded = role == "kv_consumer"
         self.async_saves = config.save_mode != "sync"
         self.saver: AsyncSaver | None = None
         self.loader: AsyncLoader | None = None
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until we report their saves
+        self.requests = RequestTransfers()  # per request: what was loaded and saved for it
         self._count_lock = threading.Lock()
         self.layout = layout
         self.fingerprint = layout.fingerprint()
@@ -57,7 +65,7 @@ class WorkerSide:
             self.saver = AsyncSaver(self.io, self._link("saver"), self._count, ttl=self.config.ttl_s,
                                     max_bytes=self.config.max_pending_save_bytes)
         if self.config.async_loads:
-            self.loader = AsyncLoader(self.io, self._link("loader"))
+            self.loader = AsyncLoader(self.io, self._link("loader"), unpin=self.unpin_loaded, count=self._count)
         log.info("kvstore worker: %d layers, %s/%s %s, block %d tokens = %d bytes, layout %s", len(self.layer_names),
                  self.layout.backend, self.layout.packing, self.layout.dtype, self.layout.block_size,
                  self.layout.block_nbytes, self.fingerprint)
@@ -91,11 +99,21 @@ class WorkerSide:
         except (StoreUnavailable, KVStoreError, *CONNECTION_ERRORS) as exc:
             log.info("kvstore worker: layout not published under %s (%s)", key, exc)
 
-    def _count(self, **deltas: float) -> None:
-        with self._count_lock:  # the saver thread counts too
+    def _count(self, req_id: str | None = None, **deltas: float) -> None:
+        """Add to the counters (the saver thread counts too); with ``req_id``, to that request's record."""
+        with self._count_lock:
             for name, value in deltas.items():
-                setattr(self.counters, name, getattr(self.counters, name) + value)
-                setattr(self.interval, name, getattr(self.interval, name) + value)
+                if name in _COUNTER_FIELDS:
+                    setattr(self.counters, name, getattr(self.counters, name) + value)
+                    setattr(self.interval, name, getattr(self.interval, name) + value)
+        if req_id is not None:
+            mine = {name: value for name, value in deltas.items() if name in _REQUEST_FIELDS}
+            if mine:
+                self.requests.add(req_id, **mine)
+
+    def request_transfers(self, req_id: str, *, pop: bool = True) -> RequestTransfer | None:
+        """What this worker loaded and saved for ``req_id`` (None: nothing); ``pop`` forgets it."""
+        return self.requests.pop(req_id) if pop else self.requests.get(req_id)
 
     # ---- loads ----------------------------------------------------------------------------------------
     def start_load_kv(self, meta: KVStoreConnectorMetadata) -> None:
@@ -115,13 +133,16 @@ class WorkerSide:
             if result.connection_lost:
                 self.link.fault(ConnectionError("connection lost during a load"))
             self._account_load(transfer.req_id, result)
+            if self.unpin_loaded and result.loaded:
+                failed = set(result.failed_blocks)
+                self._count(unpinned_blocks=unpin_loaded(self.link, [k for k, b in items if b not in failed]))
 
     def _account_load(self, req_id: str, result: LoadResult) -> None:
         if result.connection_lost:
             self._count(store_faults=1)
         if result.failed_blocks:
             self._fail_load(result.failed_blocks)
-        self._count(loaded_blocks=result.loaded, load_bytes=result.nbytes, load_seconds=result.seconds,
+        self._count(req_id, loaded_blocks=result.loaded, load_bytes=result.nbytes, load_seconds=result.seconds,
                     checksum_errors=result.checksum_errors, missing_blocks=result.missing)
         if result.checksum_errors:
             log.warning("kvstore worker: %d block(s) of request %s failed their checksum; recomputing them",
@@ -188,7 +209,13 @@ class WorkerSide:
                 log.warning("kvstore worker: dropping saves (%s: %s); further drops are only counted",
                             type(exc).__name__, exc)
             return
-        self._count(saved_blocks=len(items), save_bytes=nbytes, save_seconds=time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self._count(saved_blocks=len(items), save_bytes=nbytes, save_seconds=seconds)
+        for transfer in meta.saves:  # one write for the step's requests: each gets its blocks' share
+            share = len(transfer.block_ids) / len(items)
+            self.requests.add(transfer.req_id, saved_blocks=len(transfer.block_ids),
+                              save_bytes=len(transfer.block_ids) * self.layout.block_nbytes,
+                              save_seconds=seconds * share)
 
     def _items(self, transfer) -> list[tuple[str, int]]:
         return [(block_key(self.fingerprint, bytes.fromhex(d)), b)

@@ -409,6 +409,45 @@ def test_pinned_object_cannot_be_evicted_but_can_be_removed(store, prefix):
     assert store.remove(k)
 
 
+def test_unpin_makes_a_pinned_object_evictable_and_keeps_its_ttl(store, store_kind, prefix):
+    pinned, plain = prefix + "unpin-a", prefix + "unpin-b"
+    store.put(pinned, b"p" * 1000, pin=True, ttl=600)
+    store.put(plain, b"q" * 1000)
+    if store_kind == "cluster":  # the cluster does not route unpins to the owning member: refused, typed
+        with pytest.raises(InvalidArgumentError, match="unpin"):
+            store.unpin([pinned])
+        return
+    before = store.stats()
+    assert store.unpin([pinned, plain, prefix + "unpin-absent"]) == 1  # only the pinned one counts
+    after = store.stats()
+    assert after["unpins"] - before["unpins"] == 1
+    assert after["pinned_objects"] == before["pinned_objects"] - 1
+    assert after["pinned_bytes"] < before["pinned_bytes"]
+    info = store.inspect(pinned)
+    assert info["pinned"] is False and info["ttl_s"] == 600
+    assert store.unpin([pinned]) == 0 and store.unpin([]) == 0
+    assert store.evict(pinned)  # an ordinary cache entry now
+    with pytest.raises(InvalidKeyError):
+        store.unpin([""])
+
+
+def test_get_many_gives_each_key_its_object_or_its_error(store, store_kind, prefix):
+    a, b, absent = prefix + "many-a", prefix + "many-b", prefix + "many-absent"
+    store.put(a, b"a" * 1000)
+    store.put(b, rand_bytes(MiB + 3, 7))
+    got = store.get_many([a, absent, b])
+    assert isinstance(got[1], KeyNotFoundError)
+    with got[0] as first, got[2] as second:
+        assert bytes(first) == b"a" * 1000 and bytes(second) == rand_bytes(MiB + 3, 7)
+        assert first.meta.key == a and second.meta.checksum is not None
+    copies = store.get_many([b, absent], copy=True)
+    assert bytes(copies[0]) == rand_bytes(MiB + 3, 7) and isinstance(copies[1], KeyNotFoundError)
+    assert store.get_many([]) == []
+    with pytest.raises(InvalidKeyError):
+        store.get_many([a, ""])
+    assert store.remove(a) and store.remove(b)  # every lease was released
+
+
 # ---- errors on bad arguments ----------------------------------------------------------------------------
 @pytest.mark.parametrize("key", ["", "x" * 1025, "é" * 513, b"\xff\xfe", b"", 17, None, "\ud800"],
                          ids=["empty", "1025-bytes", "1026-utf8-bytes", "bad-utf8", "empty-bytes", "int", "none",

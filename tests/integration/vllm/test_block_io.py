@@ -136,9 +136,10 @@ def counter():
 
     counts = Counters()
 
-    def count(**deltas):
+    def count(req_id=None, **deltas):  # the saver also names the request and its pending bytes
         for k, v in deltas.items():
-            setattr(counts, k, getattr(counts, k) + v)
+            if hasattr(counts, k):
+                setattr(counts, k, getattr(counts, k) + v)
 
     return counts, count
 
@@ -219,3 +220,26 @@ def wait_done(loader, n: int) -> list:
         done += loader.take()
         time.sleep(0.01)
     return done
+
+
+def test_async_loader_of_a_consumer_unpins_the_hand_off_blocks_it_loaded(daemon_factory):
+    from kvstore.integrations.vllm.loader import AsyncLoader
+
+    counts, count = counter()  # imports vLLM: slow on a loaded machine, so before the TTL starts
+    d = daemon_factory(capacity="16MiB")
+    s = d.connect("tcp", timeout=2.0)
+    _, src = caches(1)
+    BlockIO(src, LAYOUT).save(s, [("blockio/p0", 0), ("blockio/p1", 1), ("blockio/p2", 2)], ttl=3600.0, pin=True)
+    assert s.stats()["pinned_objects"] == 3
+    _, dst = caches(2)
+    loader = AsyncLoader(BlockIO(dst, LAYOUT), StoreLink(d.unix_url, timeout=2.0, retry_s=60, name="test",
+                                                         transport="tcp"), unpin=True, count=count)
+    loader.submit("r1", [("blockio/p0", 4), ("blockio/gone", 5), ("blockio/p1", 6)])
+    assert wait_done(loader, 1)[0][1].loaded == 2
+    loader.close(5.0)  # the unpin follows the report on the loader thread: closing waits for it
+    assert counts.unpinned_blocks == 2
+    stats = s.stats()
+    assert stats["pinned_objects"] == 1  # the block nobody loaded stays pinned until its TTL
+    assert not s.inspect("blockio/p0")["pinned"] and s.inspect("blockio/p2")["pinned"]
+    assert s.inspect("blockio/p1")["ttl_s"] == 3600.0
+    s.close()

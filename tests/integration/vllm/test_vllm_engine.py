@@ -166,7 +166,11 @@ def test_corrupt_block_is_detected_and_recomputed(saved, engine, baseline):
 def test_prefill_decode_through_one_daemon(engine, workdir, baseline, prompts):
     d = Daemon(workdir, capacity="256MiB").start()
     try:
-        producer = engine.run(url=d.unix_url, role="kv_producer", args=("--max-tokens", "1"))
+        # a long hand-off TTL: an engine start on a loaded machine must not outlast the pins
+        producer = engine.run(url=d.unix_url, role="kv_producer", args=("--max-tokens", "1"),
+                              extra={"handoff_ttl_s": 3600.0})
+        with d.connect("tcp") as s:
+            produced = s.stats()
         consumer = engine.run(url=d.unix_url, role="kv_consumer", args=("--no-prefix-cache",), hash_seed=5)
         with d.connect("tcp") as s:
             stats = s.stats()
@@ -180,6 +184,18 @@ def test_prefill_decode_through_one_daemon(engine, workdir, baseline, prompts):
     assert consumer.counters["loaded_blocks"] == sum(claimable_tokens(p) // BLOCK for p in prompts)
     assert consumer.counters["saved_blocks"] == 0 and consumer.counters["load_errors"] == 0
     assert stats["objects"] == distinct_full_blocks(prompts) + 2  # + the layout and the model's layout index
+    # the hand-off blocks were pinned for the decode side, which unpinned them once it had loaded them
+    assert produced["pinned_objects"] == distinct_full_blocks(prompts) and stats["expirations"] == 0
+    assert stats["pinned_objects"] == 0 and stats["pinned_bytes"] == 0
+    assert consumer.counters["unpinned_blocks"] == distinct_full_blocks(prompts)
+    # every byte is attributed to the request it was moved for, whatever step it landed in
+    block_bytes = consumer.counters["load_bytes"] // consumer.counters["loaded_blocks"]
+    for prompt, mine in zip(prompts, consumer.transfers, strict=True):
+        assert mine["loaded_blocks"] == claimable_tokens(prompt) // BLOCK
+        assert mine["load_bytes"] == mine["loaded_blocks"] * block_bytes and mine["save_bytes"] == 0
+    assert sum(t["load_bytes"] for t in consumer.transfers) == consumer.counters["load_bytes"]
+    assert sum(t["save_bytes"] for t in producer.transfers) == producer.counters["save_bytes"] > 0
+    assert all(t["save_pending_bytes"] == 0 for t in producer.transfers)  # every save landed
 
 
 def test_daemon_killed_mid_run_every_request_completes(engine, workdir, baseline):

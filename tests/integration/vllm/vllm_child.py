@@ -4,7 +4,8 @@
 
 With ``--batches N`` the prompts run in N batches; between two batches the child prints ``BATCH <i>`` and
 waits for a line on stdin, so a test can act (kill the daemon...) at a known point. The JSON holds, per
-prompt, the generated token ids and ``num_cached_tokens``, and the connectors' summed counters.
+prompt, the generated token ids, ``num_cached_tokens`` and what the connector moved for it (``transfers``: its
+per-request record), and the connectors' summed counters.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def main() -> int:
     size = -(-len(prompts) // args.batches)
     for i in range(0, len(prompts), size):
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts[i:i + size]], params, use_tqdm=False)
-        results += [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens} for o in outs]
+        results += [{"id": o.request_id, "tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
+                    for o in outs]
         if i + size < len(prompts):
             if args.url:
                 from kvstore.integrations.vllm import live_connectors
@@ -81,6 +83,14 @@ def main() -> int:
         for conn in live_connectors():
             for k, v in conn.counters.as_dict().items():
                 counters[k] = counters.get(k, 0) + v
+            # what the connector moved for each request (vLLM's internal request id is "<ours>-<suffix>")
+            for rid in conn.request_transfer_ids():
+                record = conn.request_transfers(rid)
+                for r in results:
+                    if rid == r["id"] or rid.startswith(r["id"] + "-"):
+                        mine = r.setdefault("transfers", {})
+                        for k, v in record.items():
+                            mine[k] = mine.get(k, 0) + v
     with open(args.out, "w") as f:
         json.dump({"results": results, "counters": counters}, f)
     print("DONE", flush=True)

@@ -40,6 +40,11 @@ class Run:
     def cached(self) -> list[int]:
         return [r["cached"] for r in self.results]
 
+    @property
+    def transfers(self) -> list[dict]:
+        """Per prompt, what the connector moved for it (its per-request record; {} when nothing)."""
+        return [r.get("transfers", {}) for r in self.results]
+
 
 def make_prompts() -> list[list[int]]:
     """Two prompts sharing a 2-block prefix, and two unrelated ones; none a whole number of blocks."""

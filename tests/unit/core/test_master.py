@@ -135,6 +135,27 @@ def test_store_full_when_nothing_evictable():
         m.begin_put(meta("d", 65 * 1024), c)
 
 
+def test_unpinned_object_is_evicted_like_any_other_and_still_expires():
+    clock = Clock()
+    m = Master([64 * 1024], clock=clock)
+    c = m.register_client()
+    put(m, c, "a", 30 * 1024, pin=True, ttl=50)
+    put(m, c, "b", 30 * 1024, pin=True)
+    assert m.stats()["pinned_objects"] == 2
+    assert m.unpin("a") is True and m.unpin("a") is False and m.unpin("nothing") is False
+    assert m.stats()["pinned_objects"] == 1 and m.stats()["unpins"] == 1
+    put(m, c, "c", 30 * 1024)  # room made by evicting the unpinned one; the pinned one stays
+    assert not m.exists("a") and m.exists("b") and m.exists("c")
+    m.unpin("b")
+    m.remove("b")
+    assert m.stats()["pinned_objects"] == 0 and m.stats()["pinned_bytes"] == 0
+    put(m, c, "d", 10, pin=True, ttl=5)
+    m.unpin("d")
+    clock.t += 6
+    m.expire()
+    assert not m.exists("d")  # the TTL survives the unpin
+
+
 def test_ttl_expiry(env):
     m, c, clock, _ = env
     put(m, c, "a", 10, ttl=5)
