@@ -45,6 +45,7 @@ from kvstore.errors import (
     LayoutMismatchError,
     ObjectBusyError,
 )
+from kvstore.keys import prefix_chunk_keys
 from kvstore.layout import KVLayout, dtype_name
 
 #: what a status record holds (``KVHandoff._status``); any authenticated client can write ``hf/``, so a reader
@@ -96,16 +97,7 @@ def parse_status(key: str, blob: bytes) -> dict:
 
 def chunk_keys(layout: KVLayout, token_ids: Sequence[int], chunk_tokens: int) -> list[str]:
     """Chained prefix keys of every chunk of ``token_ids`` (the last one may be partial)."""
-    fp = layout.fingerprint()
-    prev = bytes.fromhex(fp)
-    keys = []
-    ids = torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().astype("<i8")
-    for start in range(0, len(ids), chunk_tokens):
-        digest = hashlib.blake2b(prev + ids[start:start + chunk_tokens].tobytes(), digest_size=16,
-                                 person=b"kvstore.prefix").digest()
-        keys.append(f"kvp/{fp[:16]}/{digest.hex()}")
-        prev = digest
-    return keys
+    return prefix_chunk_keys(layout.fingerprint(), token_ids, chunk_tokens)
 
 
 @dataclass

@@ -12,13 +12,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import hashlib
-import json
 from typing import Any
 
-# Bumped whenever the packed format or the fingerprint's encoding changes, so that old and new
-# producers/consumers never match by accident.
-FINGERPRINT_VERSION = 1
+from kvstore.keys import DTYPE_NAMES, FINGERPRINT_VERSION, fingerprint_of
 
 # Dimension names used to describe tensors: "kv" (0 = K, 1 = V), "block", "token" (slot within a block),
 # "head", "dim" (within a head), "latent" (MLA's compressed per-token vector) and "content" (vLLM >= 0.32: one
@@ -98,8 +94,7 @@ _BLOCK_DIMS = {
     KVLayoutKind.VLLM_NHC: ("token", "head", "content"),
 }
 
-# Wire name -> torch dtype attribute. float8 caches are moved as raw bytes.
-_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
+_DTYPE_NAMES = DTYPE_NAMES  # wire name -> torch dtype attribute (kvstore.keys)
 
 
 @functools.cache
@@ -243,9 +238,7 @@ class KVLayout:
 
 @functools.lru_cache(maxsize=256)
 def _fingerprint(layout: KVLayout) -> str:
-    canonical = {"version": FINGERPRINT_VERSION, **layout.to_dict()}
-    encoded = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.blake2b(encoded.encode("ascii"), digest_size=16, person=b"kvstore.layout").hexdigest()
+    return fingerprint_of(layout.to_dict(), version=FINGERPRINT_VERSION, person=b"kvstore.layout")
 
 
 def _prod(values: tuple[int, ...]) -> int:

@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from kvstore.errors import UnsupportedKVCacheError
 from kvstore.integrations.vllm.cache_layouts import LAYOUT_KINDS, check_platform, page_geometry
+from kvstore.keys import VLLM_KEY_PREFIX, VLLM_PERSON, block_hashes, block_key, fingerprint_of
 
 # Bumped whenever the packed block format or the key derivation changes.
 KEY_VERSION = 2  # 2: the packed kind (KVLayoutKind) joined the layout
-KEY_PREFIX = "vllm"
-_PERSON = b"kvstore.vllm"
+KEY_PREFIX = VLLM_KEY_PREFIX
+_PERSON = VLLM_PERSON
 SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
@@ -81,35 +78,7 @@ class CacheLayout:
 
     def fingerprint(self) -> str:
         """Hex blake2b-128 of every field and :data:`KEY_VERSION`; equal across processes and machines."""
-        canonical = json.dumps({"version": KEY_VERSION, **self.to_dict()}, sort_keys=True,
-                               separators=(",", ":"), ensure_ascii=True)
-        return hashlib.blake2b(canonical.encode("ascii"), digest_size=16, person=_PERSON).hexdigest()
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, root: str, *, start: int = 0,
-                 previous: bytes | None = None) -> list[bytes]:
-    """Chained blake2b-128 digests of the full blocks of ``token_ids`` from block ``start`` on.
-
-    ``h[i] = blake2b(h[i-1] || int64 little-endian ids of block i)``, with ``h[-1] = blake2b(root)``; pass
-    ``previous`` (the digest of block ``start - 1``) to extend an earlier result without rehashing."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if previous is None:
-        if start != 0:
-            raise ValueError("extending from block start > 0 needs the previous block's digest")
-        previous = hashlib.blake2b(root.encode(), digest_size=16, person=_PERSON).digest()
-    out: list[bytes] = []
-    for first in range(start * block_size, len(token_ids) - block_size + 1, block_size):
-        h = hashlib.blake2b(previous, digest_size=16, person=_PERSON)
-        h.update(np.asarray(token_ids[first:first + block_size], dtype="<i8").tobytes())
-        previous = h.digest()
-        out.append(previous)
-    return out
-
-
-def block_key(fingerprint: str, digest: bytes) -> str:
-    """The store key of one block: ``vllm/<layout fingerprint>/<chained digest>`` (ASCII, 72 chars)."""
-    return f"{KEY_PREFIX}/{fingerprint}/{digest.hex()}"
+        return fingerprint_of(self.to_dict(), version=KEY_VERSION, person=_PERSON)
 
 
 def layout_key(fingerprint: str) -> str:
@@ -195,3 +164,7 @@ def _backend_and_packing(vllm_config: Any, spec: Any, on_cpu: bool) -> tuple[str
         return CPUAttentionBackend.get_name(), isa
     chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     return f"CUDA/{getattr(chosen, 'name', chosen) or 'auto'}", "kv-content"
+
+
+__all__ = ["KEY_PREFIX", "KEY_VERSION", "SUPPORTED_SPECS", "CacheLayout", "block_hashes", "block_key",
+           "layout_from_vllm_config", "layout_key", "model_layouts_prefix"]
