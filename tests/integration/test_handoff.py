@@ -353,3 +353,22 @@ def test_concurrent_producers_of_a_prefix_agree_on_one_copy(hstore):
         assert all(torch.equal(a, b) for a, b in zip(got[0], got[1], strict=True)), trial
         assert any(all(torch.equal(a, b) for a, b in zip(got[0], blocks(src, [0, 1, 2, 3]), strict=True))
                    for src in (first, second))
+
+
+def test_a_salted_or_adapter_prefix_is_its_own():
+    """cache_salt and the LoRA adapter are part of the prefix keys (as in the vLLM connector): a salted publish
+    is found only with that salt, and only its blocks are fetched."""
+    store = kvstore.KVStore.embedded(capacity="16MiB")
+    h = KVHandoff(store, LAYOUT, chunk_blocks=1)
+    prompt = list(range(2 * BS))
+    src = child.caches(4, seed=7)
+    h.publish("salted", src, [2, 3], num_tokens=len(prompt), token_ids=prompt, cache_salt="tenant-a").wait()
+    assert h.lookup(prompt) == 0 and h.lookup(prompt, adapter="sql@/a") == 0
+    assert h.lookup(prompt, cache_salt="tenant-b") == 0
+    assert h.lookup(prompt, cache_salt="tenant-a") == len(prompt)
+    dst = zeros(4)
+    assert h.fetch_prefix(prompt, dst, [0, 1]) == 0
+    assert h.fetch_prefix(prompt, dst, [0, 1], cache_salt="tenant-a") == len(prompt)
+    for c_src, c_dst in zip(src, dst, strict=True):
+        assert torch.equal(c_dst[:, [0, 1]], c_src[:, [2, 3]])
+    store.close()
