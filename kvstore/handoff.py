@@ -2,9 +2,13 @@
 
 Store objects of one request (``rid`` = request id):
 
-- ``kvp/<fp16>/<hash>``  one chunk of ``chunk_blocks`` packed blocks (block-major, all layers; see
-  docs/kv_layout.md). With token ids the key is a chained blake2b over the chunk's token ids, the previous
-  chunk's key and the layout fingerprint: a shared prompt prefix has the same keys (prefix reuse).
+- ``kvp/<fingerprint>/<digest>[/<n>]``  one chunk of ``n`` (up to ``chunk_blocks``) packed blocks (block-major,
+  all layers; see docs/kv_layout.md), published with token ids: the key of :mod:`kvstore.keys`, the chained
+  digest of the chunk's last block (it commits to every token before it) under the layout fingerprint, so a
+  shared prompt prefix has the same keys (prefix reuse). A one-block chunk (``chunk_blocks=1``, or a last
+  chunk of one block) has the block's own key, the one the vLLM connector saves and looks up: with the
+  connector's layout (``CacheLayout.kv_layout()``) the two share blocks both ways (docs/keys.md).
+- ``hf/<rid>/chunk/<i>`` one chunk, published without token ids (request-scoped).
 - ``hf/<rid>/meta``      the :class:`~kvstore.core.meta.RequestMeta` (msgpack): written in the same all-or-nothing
   batch as the chunks, so it is visible only once every chunk is.
 - ``hf/<rid>/claim``     an ephemeral object the producer holds while publishing; if it vanishes before the
@@ -29,6 +33,7 @@ import msgpack
 import torch
 import xxhash
 
+from kvstore import keys as kv_keys
 from kvstore import ops
 from kvstore.client.pages import block_tensor, check_object
 from kvstore.client.reservation import Reservation
@@ -94,18 +99,18 @@ def parse_status(key: str, blob: bytes) -> dict:
             "age_s": 0.0}
 
 
-def chunk_keys(layout: KVLayout, token_ids: Sequence[int], chunk_tokens: int) -> list[str]:
-    """Chained prefix keys of every chunk of ``token_ids`` (the last one may be partial)."""
-    fp = layout.fingerprint()
-    prev = bytes.fromhex(fp)
-    keys = []
-    ids = torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().astype("<i8")
-    for start in range(0, len(ids), chunk_tokens):
-        digest = hashlib.blake2b(prev + ids[start:start + chunk_tokens].tobytes(), digest_size=16,
-                                 person=b"kvstore.prefix").digest()
-        keys.append(f"kvp/{fp[:16]}/{digest.hex()}")
-        prev = digest
-    return keys
+def chunk_keys(layout: KVLayout, token_ids: Sequence[int], chunk_tokens: int, *, cache_salt: str = "",
+               adapter: str = "") -> list[str]:
+    """Chained prefix keys of every chunk of ``token_ids`` (the last one may be partial): those of
+    :func:`kvstore.keys.chunk_keys` for chunks of ``chunk_tokens // layout.block_size`` blocks, rooted in
+    ``cache_salt`` and the LoRA ``adapter`` (``name@path``) as the vLLM connector roots a request's.
+    ``chunk_tokens`` must be a whole number of blocks (InvalidArgumentError)."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < layout.block_size \
+            or chunk_tokens % layout.block_size:
+        raise InvalidArgumentError(f"chunk_tokens must be a positive multiple of the block size "
+                                   f"{layout.block_size}, got {chunk_tokens!r}")
+    return kv_keys.chunk_keys(token_ids, layout.fingerprint(), layout.block_size, chunk_tokens // layout.block_size,
+                              cache_salt=cache_salt, adapter=adapter)
 
 
 @dataclass
@@ -151,7 +156,8 @@ class KVHandoff:
 
     # ---- prefill side -------------------------------------------------------------------------------
     def publish(self, request_id: str, kv_caches: Sequence[torch.Tensor], block_ids: Any, *, num_tokens: int,
-                token_ids: Sequence[int] | None = None, ttl: float = 60.0) -> Ticket:
+                token_ids: Sequence[int] | None = None, ttl: float = 60.0, cache_salt: str = "",
+                adapter: str = "") -> Ticket:
         """Gather the request's pages now, straight into store memory reserved for its chunks (the caller may
         reuse its blocks as soon as this returns), and commit them with their RequestMeta in the background;
         nothing is visible to ``fetch`` until all is.
@@ -160,13 +166,14 @@ class KVHandoff:
         (see :func:`chunk_keys`). A stored one is referenced as it is, never replaced: of producers racing to
         store the same chunk, the first commit wins and the others record its checksum, chunk by chunk (a
         request's prefix may hold chunks of several producers: each is a valid KV of its tokens, as in any
-        prefix cache). Every request that references a chunk keeps it for its own ``ttl`` at least."""
+        prefix cache). Every request that references a chunk keeps it for its own ``ttl`` at least. ``cache_salt``
+        and the LoRA ``adapter`` are part of the keys, as in the vLLM connector."""
         rid = _check_request_id(request_id)
         ids = self._block_tensor(block_ids, kv_caches)
         self._check_counts(num_tokens, len(ids), token_ids)
         bounds = [(b, min(b + self.chunk_blocks, len(ids))) for b in range(0, len(ids), self.chunk_blocks)]
         if token_ids is not None:
-            names = chunk_keys(self.layout, token_ids, self.chunk_tokens)
+            names = chunk_keys(self.layout, token_ids, self.chunk_tokens, cache_salt=cache_salt, adapter=adapter)
         else:
             names = [f"hf/{rid}/chunk/{i}" for i in range(len(bounds))]
         keys = request_keys(rid)
@@ -335,9 +342,9 @@ class KVHandoff:
         self._drop(meta, keep_chunks=keep)
         return meta
 
-    def lookup(self, token_ids: Sequence[int]) -> int:
+    def lookup(self, token_ids: Sequence[int], *, cache_salt: str = "", adapter: str = "") -> int:
         """How many leading tokens of ``token_ids`` already have their KV stored (whole chunks)."""
-        keys = chunk_keys(self.layout, token_ids, self.chunk_tokens)
+        keys = chunk_keys(self.layout, token_ids, self.chunk_tokens, cache_salt=cache_salt, adapter=adapter)
         present = self.store.batch_exists(keys) if keys else []
         n = 0
         for i, ok in enumerate(present):
@@ -346,15 +353,17 @@ class KVHandoff:
             n = min((i + 1) * self.chunk_tokens, len(token_ids))
         return n
 
-    def fetch_prefix(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], block_ids: Any) -> int:
+    def fetch_prefix(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], block_ids: Any, *,
+                     cache_salt: str = "", adapter: str = "") -> int:
         """Scatter the stored chunks of the longest stored prefix of ``token_ids`` into the first blocks of
         ``block_ids``; returns the number of tokens fetched (0 if none). Every chunk is verified against its
         recorded checksum: fused with the scatter on CPU caches, where a bad one raises HandoffChecksumError
         as in :meth:`fetch`; on CUDA caches by ``get(verify=True)`` before anything is written (ChecksumError)."""
-        n_tokens = self.lookup(token_ids)
+        n_tokens = self.lookup(token_ids, cache_salt=cache_salt, adapter=adapter)
         if n_tokens == 0:
             return 0
-        keys = chunk_keys(self.layout, token_ids[:n_tokens], self.chunk_tokens)
+        keys = chunk_keys(self.layout, token_ids[:n_tokens], self.chunk_tokens, cache_salt=cache_salt,
+                          adapter=adapter)
         n_blocks = math.ceil(n_tokens / self.layout.block_size)
         ids = self._block_tensor(block_ids, kv_caches)[:n_blocks]
         items = [(key, ids[i * self.chunk_blocks:min((i + 1) * self.chunk_blocks, n_blocks)])

@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import hashlib
-import json
 from typing import Any
 
-# Bumped whenever the packed format or the fingerprint's encoding changes, so that old and new
-# producers/consumers never match by accident.
-FINGERPRINT_VERSION = 1
+from kvstore.errors import UnsupportedKVCacheError
+from kvstore.keys import DTYPE_NAMES, FINGERPRINT_VERSION, layout_fingerprint
+
+__all__ = ["FINGERPRINT_VERSION", "KVLayout", "KVLayoutKind", "dtype_from_name", "dtype_name"]
 
 # Dimension names used to describe tensors: "kv" (0 = K, 1 = V), "block", "token" (slot within a block),
 # "head", "dim" (within a head), "latent" (MLA's compressed per-token vector) and "content" (vLLM >= 0.32: one
@@ -98,8 +97,7 @@ _BLOCK_DIMS = {
     KVLayoutKind.VLLM_NHC: ("token", "head", "content"),
 }
 
-# Wire name -> torch dtype attribute. float8 caches are moved as raw bytes.
-_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
+_DTYPE_NAMES = DTYPE_NAMES  # wire name -> torch dtype attribute (kvstore.keys)
 
 
 @functools.cache
@@ -110,19 +108,22 @@ def _dtype_table() -> dict[str, Any]:
 
 
 def dtype_name(dtype: Any) -> str:
-    """Wire name of a supported torch dtype (``torch.bfloat16`` -> ``"bfloat16"``); ValueError otherwise."""
+    """Wire name of a supported torch dtype (``torch.bfloat16`` -> ``"bfloat16"``); UnsupportedKVCacheError (a
+    ValueError) otherwise."""
     for name, value in _dtype_table().items():
         if value == dtype:
             return name
-    raise ValueError(f"unsupported KV dtype {dtype!r}; expected one of: {', '.join(_dtype_table())}")
+    raise UnsupportedKVCacheError(f"unsupported KV dtype {dtype!r}; expected one of: {', '.join(_dtype_table())}")
 
 
 def dtype_from_name(name: str) -> Any:
-    """torch dtype for a wire name (``"bfloat16"`` -> ``torch.bfloat16``); ValueError for an unknown name."""
+    """torch dtype for a wire name (``"bfloat16"`` -> ``torch.bfloat16``); UnsupportedKVCacheError (a ValueError)
+    for an unknown name."""
     try:
         return _dtype_table()[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unsupported KV dtype {name!r}; expected one of: {', '.join(_dtype_table())}") from None
+        raise UnsupportedKVCacheError(f"unsupported KV dtype {name!r}; expected one of: "
+                                      f"{', '.join(_dtype_table())}") from None
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -140,6 +141,12 @@ class KVLayout:
     (``"bfloat16"``); both are stored normalised. ``tp_rank``/``tp_size`` identify which tensor-parallel
     shard of the heads this cache holds (``num_kv_heads`` counts the heads of this shard).
 
+    ``engine`` names whatever else decides a page's bytes beyond this geometry (for a vLLM engine: its attention
+    backend and in-page packing, cache dtype, model revision, pipeline rank; see
+    ``kvstore.integrations.vllm.keys.CacheLayout.kv_layout``); compared as a whole, empty by default. It is part
+    of the fingerprint, so a hand-off producer built with an engine's layout shares keys with that engine's
+    connector (``docs/keys.md``).
+
     MLA: there is one latent vector per token and no K/V split, so ``num_kv_heads`` must be 1 and
     ``head_dim`` is the latent width (``kv_lora_rank + qk_rope_head_dim``, e.g. 512 + 64 = 576 for
     DeepSeek-V3); :attr:`latent_dim` returns it.
@@ -156,6 +163,7 @@ class KVLayout:
     model_id: str
     tp_rank: int = 0
     tp_size: int = 1
+    engine: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", KVLayoutKind.parse(self.kind))
@@ -169,6 +177,8 @@ class KVLayout:
             raise ValueError(f"KVLayout.tp_rank must be < tp_size={self.tp_size}, got {self.tp_rank}")
         if not isinstance(self.model_id, str) or not self.model_id:
             raise ValueError(f"KVLayout.model_id must be a non-empty str, got {self.model_id!r}")
+        if not isinstance(self.engine, str):
+            raise TypeError(f"KVLayout.engine must be a str, got {type(self.engine).__name__}")
         if self.kind is KVLayoutKind.MLA and self.num_kv_heads != 1:
             raise ValueError(f"KVLayout.num_kv_heads must be 1 for MLA (head_dim is the latent width), "
                              f"got {self.num_kv_heads}")
@@ -214,10 +224,13 @@ class KVLayout:
 
     # -- identity and wire form --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """msgpack-safe form: only str and int values (kind and dtype by wire name)."""
-        return {"kind": self.kind.value, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+        """msgpack-safe form: only str and int values (kind and dtype by wire name); ``engine`` only when set."""
+        out = {"kind": self.kind.value, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "block_size": self.block_size, "dtype": dtype_name(self.dtype),
                 "model_id": self.model_id, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
+        if self.engine:
+            out["engine"] = self.engine
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
@@ -236,16 +249,15 @@ class KVLayout:
         """Stable hex digest (blake2b-128) of everything producer and consumer must agree on.
 
         Equal across processes, machines and Python versions; it changes with any field of
-        :meth:`to_dict` and with :data:`FINGERPRINT_VERSION`.
+        :meth:`to_dict` and with :data:`FINGERPRINT_VERSION` (:func:`kvstore.keys.layout_fingerprint`, the one
+        fingerprint of the paged-KV key scheme, also the vLLM connector's).
         """
         return _fingerprint(self)
 
 
 @functools.lru_cache(maxsize=256)
 def _fingerprint(layout: KVLayout) -> str:
-    canonical = {"version": FINGERPRINT_VERSION, **layout.to_dict()}
-    encoded = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.blake2b(encoded.encode("ascii"), digest_size=16, person=b"kvstore.layout").hexdigest()
+    return layout_fingerprint(layout.to_dict())
 
 
 def _prod(values: tuple[int, ...]) -> int:

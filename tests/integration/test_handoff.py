@@ -396,3 +396,22 @@ def test_a_later_request_that_references_a_prefix_chunk_keeps_it_for_its_own_ttl
     h.fetch("long", dst, [4, 5, 6, 7], num_tokens=len(tokens))
     for got, want in zip(blocks(dst, [4, 5, 6, 7]), blocks(first, [0, 1, 2, 3]), strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_salted_or_adapter_prefix_is_its_own():
+    """cache_salt and the LoRA adapter are part of the prefix keys (as in the vLLM connector): a salted publish
+    is found only with that salt, and only its blocks are fetched."""
+    store = kvstore.KVStore.embedded(capacity="16MiB")
+    h = KVHandoff(store, LAYOUT, chunk_blocks=1)
+    prompt = list(range(2 * BS))
+    src = child.caches(4, seed=7)
+    h.publish("salted", src, [2, 3], num_tokens=len(prompt), token_ids=prompt, cache_salt="tenant-a").wait()
+    assert h.lookup(prompt) == 0 and h.lookup(prompt, adapter="sql@/a") == 0
+    assert h.lookup(prompt, cache_salt="tenant-b") == 0
+    assert h.lookup(prompt, cache_salt="tenant-a") == len(prompt)
+    dst = zeros(4)
+    assert h.fetch_prefix(prompt, dst, [0, 1]) == 0
+    assert h.fetch_prefix(prompt, dst, [0, 1], cache_salt="tenant-a") == len(prompt)
+    for c_src, c_dst in zip(src, dst, strict=True):
+        assert torch.equal(c_dst[:, [0, 1]], c_src[:, [2, 3]])
+    store.close()

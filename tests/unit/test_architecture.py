@@ -13,6 +13,7 @@ from paths import ROOT
 #: Packages on one line are siblings of one layer and must not import each other.
 LAYERS: list[tuple[str, ...]] = [
     ("kvstore.errors", "kvstore.units"),
+    ("kvstore.keys",),
     ("kvstore.layout",),
     ("kvstore.ops", "kvstore.memory"),
     ("kvstore.transports",),

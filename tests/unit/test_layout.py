@@ -16,8 +16,8 @@ from kvstore import KVLayout, KVLayoutKind
 LLAMA = dict(kind=KVLayoutKind.VLLM_FLASH_NHD, num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
              dtype=torch.bfloat16, model_id="llama-3-8b")
 # Golden value: the fingerprint is part of the wire contract, so it must never change by accident (bump
-# FINGERPRINT_VERSION and this value together when the packed format changes).
-LLAMA_FINGERPRINT = "6fb92a83f38cded074681c4e289da754"
+# FINGERPRINT_VERSION and this value together when the packed format changes). 3: kvstore.keys's one scheme.
+LLAMA_FINGERPRINT = "a7a27b9fab3b02155497785e0844e1eb"
 
 
 def llama(**changes) -> KVLayout:
@@ -112,6 +112,14 @@ def test_from_dict_names_missing_and_unknown_keys():
         KVLayout.from_dict([1, 2])
 
 
+def test_engine_is_on_the_wire_only_when_set():
+    assert "engine" not in llama().to_dict()
+    layout = llama(engine='{"backend":"CPU_ATTN"}')
+    assert KVLayout.from_dict(layout.to_dict()) == layout
+    with pytest.raises(TypeError, match="engine must be a str"):
+        llama(engine=3)
+
+
 def test_fingerprint_is_a_golden_value():
     assert llama().fingerprint() == LLAMA_FINGERPRINT
 
@@ -131,7 +139,7 @@ def test_fingerprint_is_stable_across_processes():
 @pytest.mark.parametrize("change", [
     dict(kind=KVLayoutKind.VLLM_FLASH_HND), dict(num_layers=31), dict(num_kv_heads=4), dict(head_dim=64),
     dict(block_size=32), dict(dtype=torch.float16), dict(model_id="llama-3-8b-instruct"), dict(tp_rank=1, tp_size=2),
-    dict(tp_size=2),
+    dict(tp_size=2), dict(engine="vllm backend X"),
 ], ids=lambda c: ",".join(c))
 def test_fingerprint_covers_every_field(change):
     assert llama(**change).fingerprint() != llama().fingerprint()

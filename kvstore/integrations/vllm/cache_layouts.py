@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import UnsupportedKVCacheError
+from kvstore.keys import DTYPE_ITEMSIZE
 from kvstore.layout import KVLayout, KVLayoutKind
 
 LAYOUT_KINDS: dict[str, KVLayoutKind] = {
@@ -35,8 +36,9 @@ LAYOUT_KINDS: dict[str, KVLayoutKind] = {
 }
 # vLLM's own aliases (VLLM_KV_CACHE_LAYOUT=NHD / HND).
 LAYOUT_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
-# Cache dtypes moved as raw bytes; vLLM keeps fp8 caches ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla") as uint8.
-DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8")
+# The cache dtypes kvstore moves (kvstore.keys.DTYPE_ITEMSIZE); vLLM keeps fp8 caches ("fp8", "fp8_e4m3",
+# "fp8_e5m2", "fp8_ds_mla") as uint8, moved as raw bytes.
+DTYPES = tuple(DTYPE_ITEMSIZE)
 PLATFORMS = ("cpu", "cuda")
 
 
@@ -64,14 +66,17 @@ class PageGeometry:
         """vLLM's per-layer logical view without the block dim: ``(H, N, C)``."""
         return (self.heads, self.tokens, self.content)
 
+    def kernel_fields(self, num_layers: int, model: str) -> dict[str, Any]:
+        """:meth:`kernel_layout` as :meth:`KVLayout.to_dict` writes it (no torch needed)."""
+        dtype = "float8_e4m3fn" if self.dtype == "uint8" else self.dtype
+        mla = self.kind is KVLayoutKind.MLA
+        return {"kind": self.kind.value, "num_layers": num_layers, "num_kv_heads": 1 if mla else self.heads,
+                "head_dim": self.content if mla else self.content // 2, "block_size": self.tokens, "dtype": dtype,
+                "model_id": model or "vllm", "tp_rank": 0, "tp_size": 1}
+
     def kernel_layout(self, num_layers: int, model: str) -> KVLayout:
         """The :class:`KVLayout` the page kernels move these pages with (uint8 caches as float8 raw bytes)."""
-        dtype = "float8_e4m3fn" if self.dtype == "uint8" else self.dtype
-        if self.kind is KVLayoutKind.MLA:
-            return KVLayout(self.kind, num_layers=num_layers, num_kv_heads=1, head_dim=self.content,
-                            block_size=self.tokens, dtype=dtype, model_id=model or "vllm")
-        return KVLayout(self.kind, num_layers=num_layers, num_kv_heads=self.heads, head_dim=self.content // 2,
-                        block_size=self.tokens, dtype=dtype, model_id=model or "vllm")
+        return KVLayout.from_dict(self.kernel_fields(num_layers, model))
 
 
 def layout_name(value: Any) -> str:

@@ -1,12 +1,16 @@
-"""Stable block keys for vLLM's paged KV cache: the layout fingerprint and the chained content hash.
+"""The vLLM connector's side of the paged-KV key scheme (:mod:`kvstore.keys`): what vLLM's cache layout is.
 
-A block's key names everything that decides its bytes: the tokens up to and including it (a chained
-blake2b over their ids, so a block's key also commits to every block before it), and the layout of the
-cache it came from (:class:`CacheLayout`: model, dtype, block size, attention backend and its in-page
+A block's key names everything that decides its bytes: the tokens up to and including it (the chained digest
+of :func:`kvstore.keys.block_hashes`, rooted in the request's ``cache_salt`` and LoRA adapter), and the layout
+of the cache it came from (:class:`CacheLayout`: model, dtype, block size, attention backend and its in-page
 packing, geometry, TP rank and size). Two engines share a key only if they would have computed the same
-bytes, so a consumer with another dtype, block size or kernel packing never gets a false hit. Nothing
-here depends on Python's ``hash()`` or on ``PYTHONHASHSEED``: keys are equal across processes, machines
-and restarts.
+bytes, so a consumer with another dtype, block size or kernel packing never gets a false hit.
+
+The fingerprint is that of :meth:`CacheLayout.kv_layout`, a :class:`~kvstore.layout.KVLayout` that carries
+the fields beyond its geometry in ``engine``; the block keys are :func:`kvstore.keys.block_key`. So a
+:class:`~kvstore.handoff.KVHandoff` built with ``CacheLayout.kv_layout()`` and ``chunk_blocks=1`` publishes
+blocks this connector loads, and finds the blocks it saves (``docs/keys.md``). The key functions are
+re-exported here under the names the connector always had.
 
 No vLLM import at module level: the scheduler and worker halves pass a ``VllmConfig`` in.
 """
@@ -16,18 +20,31 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from kvstore.errors import UnsupportedKVCacheError
-from kvstore.integrations.vllm.cache_layouts import LAYOUT_KINDS, check_platform, page_geometry
+from kvstore.integrations.vllm.cache_layouts import LAYOUT_KINDS, check_platform, geometry_of, page_geometry
+from kvstore.keys import (
+    KEY_PREFIX,
+    PROMPT_ROOT,
+    SCHEME_VERSION,
+    block_hashes,
+    block_key,
+    dtype_itemsize,
+    layout_fingerprint,
+    prompt_block_keys,
+    prompt_root,
+)
+from kvstore.layout import KVLayout
 
-# Bumped whenever the packed block format or the key derivation changes.
-KEY_VERSION = 2  # 2: the packed kind (KVLayoutKind) joined the layout
-KEY_PREFIX = "vllm"
+#: The key scheme's version (:data:`kvstore.keys.SCHEME_VERSION`); 2 was this connector's own scheme.
+KEY_VERSION = SCHEME_VERSION
+#: Where the connector keeps what is not a block: ``vllm/<fingerprint>/layout``, ``vllm/layouts/...``.
+META_PREFIX = "vllm"
 _PERSON = b"kvstore.vllm"
+#: The fields of :class:`CacheLayout` that :meth:`CacheLayout.kv_layout` maps onto KVLayout fields; every other
+#: one goes into ``KVLayout.engine``.
+_GEOMETRY_FIELDS = ("num_layers", "model", "tp_rank", "tp_size", "kind")
 SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
@@ -65,7 +82,8 @@ class CacheLayout:
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "float16": 2, "bfloat16": 2}.get(self.dtype, 1)  # float8 and uint8: 1
+        """Bytes per element; UnsupportedKVCacheError for a dtype kvstore does not move."""
+        return dtype_itemsize(self.dtype)
 
     @property
     def page_nbytes(self) -> int:
@@ -79,49 +97,36 @@ class CacheLayout:
         """Bytes of one block across all layers (what one stored object holds)."""
         return self.num_layers * self.page_nbytes
 
+    def kv_layout(self) -> KVLayout:
+        """The :class:`KVLayout` of these pages with this layout's identity: the page kernels' geometry (kind,
+        layers, heads, head size, block size, dtype; uint8 caches as float8_e4m3fn raw bytes), the model, TP
+        rank and size, and in ``engine`` every other field (canonical JSON). Its fingerprint is this layout's:
+        a KVHandoff built with it shares blocks with this connector."""
+        return KVLayout.from_dict(self._identity())
+
+    def _identity(self) -> dict[str, Any]:
+        """``self.kv_layout().to_dict()``, without torch."""
+        fields = geometry_of(self).kernel_fields(self.num_layers, self.model)
+        rest = {k: v for k, v in self.to_dict().items() if k not in _GEOMETRY_FIELDS}
+        engine = json.dumps({"engine": "vllm", **rest}, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return {**fields, "tp_rank": self.tp_rank, "tp_size": self.tp_size, "engine": engine}
+
     def fingerprint(self) -> str:
-        """Hex blake2b-128 of every field and :data:`KEY_VERSION`; equal across processes and machines."""
-        canonical = json.dumps({"version": KEY_VERSION, **self.to_dict()}, sort_keys=True,
-                               separators=(",", ":"), ensure_ascii=True)
-        return hashlib.blake2b(canonical.encode("ascii"), digest_size=16, person=_PERSON).hexdigest()
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, root: str, *, start: int = 0,
-                 previous: bytes | None = None) -> list[bytes]:
-    """Chained blake2b-128 digests of the full blocks of ``token_ids`` from block ``start`` on.
-
-    ``h[i] = blake2b(h[i-1] || int64 little-endian ids of block i)``, with ``h[-1] = blake2b(root)``; pass
-    ``previous`` (the digest of block ``start - 1``) to extend an earlier result without rehashing."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if previous is None:
-        if start != 0:
-            raise ValueError("extending from block start > 0 needs the previous block's digest")
-        previous = hashlib.blake2b(root.encode(), digest_size=16, person=_PERSON).digest()
-    out: list[bytes] = []
-    for first in range(start * block_size, len(token_ids) - block_size + 1, block_size):
-        h = hashlib.blake2b(previous, digest_size=16, person=_PERSON)
-        h.update(np.asarray(token_ids[first:first + block_size], dtype="<i8").tobytes())
-        previous = h.digest()
-        out.append(previous)
-    return out
-
-
-def block_key(fingerprint: str, digest: bytes) -> str:
-    """The store key of one block: ``vllm/<layout fingerprint>/<chained digest>`` (ASCII, 72 chars)."""
-    return f"{KEY_PREFIX}/{fingerprint}/{digest.hex()}"
+        """The fingerprint of :meth:`kv_layout` (:func:`kvstore.keys.layout_fingerprint`): it changes with every
+        field and with :data:`KEY_VERSION`; equal across processes and machines (no torch import)."""
+        return layout_fingerprint(self._identity())
 
 
 def layout_key(fingerprint: str) -> str:
     """Where a worker publishes the :class:`CacheLayout` of ``fingerprint`` (JSON, also as the object's meta)."""
-    return f"{KEY_PREFIX}/{fingerprint}/layout"
+    return f"{META_PREFIX}/{fingerprint}/layout"
 
 
 def model_layouts_prefix(model: str) -> str:
     """Where workers list the fingerprints a model was served with: ``vllm/layouts/<model digest>/<fingerprint>``
     (each object's meta is the layout), so that an instance can say loudly which settings differ."""
     digest = hashlib.blake2b(model.encode(), digest_size=8, person=_PERSON).hexdigest()
-    return f"{KEY_PREFIX}/layouts/{digest}/"
+    return f"{META_PREFIX}/layouts/{digest}/"
 
 
 def layout_from_vllm_config(vllm_config: Any, kv_cache_config: Any, tp_rank: int = 0) -> CacheLayout:
@@ -195,3 +200,8 @@ def _backend_and_packing(vllm_config: Any, spec: Any, on_cpu: bool) -> tuple[str
         return CPUAttentionBackend.get_name(), isa
     chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     return f"CUDA/{getattr(chosen, 'name', chosen) or 'auto'}", "kv-content"
+
+
+__all__ = ["KEY_PREFIX", "KEY_VERSION", "META_PREFIX", "PROMPT_ROOT", "SUPPORTED_SPECS", "CacheLayout", "block_hashes",
+           "block_key", "layout_from_vllm_config", "layout_key", "model_layouts_prefix", "prompt_block_keys",
+           "prompt_root"]

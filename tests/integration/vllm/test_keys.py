@@ -37,7 +37,7 @@ def test_keys_are_equal_across_processes_and_hash_seeds():
     keys = {key_in_child(seed) for seed in ("0", "1", "12345", "random")}
     here = block_key(LAYOUT.fingerprint(), block_hashes(list(range(10)), 4, "vllm-prompt")[-1])
     assert keys == {here}
-    assert here.startswith(f"vllm/{LAYOUT.fingerprint()}/") and len(here) == 5 + 32 + 1 + 32
+    assert here.startswith(f"kvp/{LAYOUT.fingerprint()}/") and len(here) == 4 + 32 + 1 + 32
 
 
 @pytest.mark.parametrize("field, value", [

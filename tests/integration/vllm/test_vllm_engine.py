@@ -113,7 +113,7 @@ def no_daemon_runs(engine, workdir):
 
 def block_keys(d: Daemon) -> list[str]:
     with d.connect("tcp") as s:
-        return sorted(k for k in s.keys("vllm/") if not k.endswith("/layout") and "/layouts/" not in k)
+        return sorted(s.keys("kvp/"))
 
 
 def test_kv_both_shares_prefixes_across_processes(saved, engine, baseline, prompts):
