@@ -28,6 +28,8 @@ from kvstore.integrations.vllm.cache_layouts import LAYOUT_KINDS, check_platform
 KEY_VERSION = 2  # 2: the packed kind (KVLayoutKind) joined the layout
 KEY_PREFIX = "vllm"
 _PERSON = b"kvstore.vllm"
+#: The digest chain's root of a prompt without ``cache_salt`` and LoRA adapter (see :func:`prompt_root`).
+PROMPT_ROOT = "vllm-prompt"
 SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
@@ -105,6 +107,23 @@ def block_hashes(token_ids: Sequence[int], block_size: int, root: str, *, start:
         previous = h.digest()
         out.append(previous)
     return out
+
+
+def prompt_root(cache_salt: str = "", adapter: str = "") -> str:
+    """The digest chain's root of a request: the ``cache_salt`` and the LoRA adapter (``name@path``) are part of
+    every block's key, so a salted request never shares blocks (or their timing) with another salt, and an
+    adapter's KV is its own."""
+    if not cache_salt and not adapter:
+        return PROMPT_ROOT
+    return f"{PROMPT_ROOT}\0salt={cache_salt}\0lora={adapter}"
+
+
+def prompt_block_keys(token_ids: Sequence[int], fingerprint: str, block_size: int, *,
+                      cache_salt: str = "", adapter: str = "") -> list[str]:
+    """The store keys of the full blocks of a prompt, in order, as an instance with layout ``fingerprint`` saves
+    and looks them up: what a router asks the store (``batch_exists``) to learn how much of a prompt is held."""
+    digests = block_hashes(token_ids, block_size, prompt_root(cache_salt, adapter))
+    return [block_key(fingerprint, d) for d in digests]
 
 
 def block_key(fingerprint: str, digest: bytes) -> str:

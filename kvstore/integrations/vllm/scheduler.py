@@ -21,12 +21,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvstore.integrations.vllm import transfer_params
 from kvstore.integrations.vllm.config import ConnectorConfig
-from kvstore.integrations.vllm.keys import CacheLayout, block_hashes, block_key
+from kvstore.integrations.vllm.keys import PROMPT_ROOT, CacheLayout, block_hashes, block_key, prompt_root
 from kvstore.integrations.vllm.lookup import Lookup, Lookups
 from kvstore.integrations.vllm.stats import Counters
 from kvstore.integrations.vllm.store_link import StoreLink, log
 
-ROOT = "vllm-prompt"
+ROOT = PROMPT_ROOT
 #: A decode request waiting for promised blocks asks the store again at most this often.
 PROMISE_POLL_S = 0.005
 
@@ -279,12 +279,11 @@ class SchedulerSide:
 
 
 def key_root(request: Any) -> str:
-    """The digest chain's root: the ``cache_salt`` and the LoRA adapter are part of every block's key, so a
-    salted request never shares blocks (or their timing) with another salt, and an adapter's KV is its own."""
+    """The digest chain's root of a vLLM request (:func:`~kvstore.integrations.vllm.keys.prompt_root`)."""
     salt = getattr(request, "cache_salt", None) or ""
     lora = getattr(request, "lora_request", None)
     adapter = f"{lora.lora_name}@{getattr(lora, 'lora_path', '')}" if lora is not None else ""
-    return ROOT if not salt and not adapter else f"{ROOT}\0salt={salt}\0lora={adapter}"
+    return prompt_root(salt, adapter)
 
 
 def _uncacheable(request: Any) -> bool:
