@@ -283,7 +283,7 @@ async def _one(session, base: str, model: str, r: TraceRequest, t0: float, deadl
                     row.errors.append(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                     if resp.status < 500:
                         break
-                elif await _read_stream(resp, row):
+                elif await _read_stream(resp, row, t0):
                     return row
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
             row.errors.append(f"{type(exc).__name__}: {exc}"[:200])
@@ -292,8 +292,9 @@ async def _one(session, base: str, model: str, r: TraceRequest, t0: float, deadl
     return row
 
 
-async def _read_stream(resp, row: ClientRow) -> bool:
-    """Read one SSE answer into ``row``; True when it ended with [DONE] and no error event."""
+async def _read_stream(resp, row: ClientRow, t0: float) -> bool:
+    """Read one SSE answer into ``row`` (times in seconds since ``t0``, the run's start, as ``arrival_s``); True
+    when it ended with [DONE] and no error event."""
     async for raw in resp.content:
         line = raw.strip()
         if not line.startswith(b"data: "):
@@ -305,7 +306,7 @@ async def _read_stream(resp, row: ClientRow) -> bool:
         if "error" in event:
             row.errors.append(str(event["error"].get("message", event["error"]))[:200])
             return False
-        now = time.monotonic()
+        now = time.monotonic() - t0
         for choice in event.get("choices") or ():
             ids = choice.get("token_ids")
             n = len(ids) if isinstance(ids, list) else (1 if choice.get("text") or choice.get("finish_reason")
