@@ -396,7 +396,7 @@ def results(rows: list[dict], slo: Slo, wall_s: float, counters: dict, fault: di
                          "lost": sum(r["lost"] for r in rows), "retried": sum(r["attempts"] > 1 for r in rows),
                          "fitted": sum(r["capped"] for r in rows)},
             "ttft_s": pcts("ttft_s"), "tpot_s": pcts("tpot_s"), "e2e_s": pcts("e2e_s"),
-            "throughput": {"duration_s": round(duration, 3),
+            "throughput": {"duration_s": round(duration, 3), "run_wall_s": round(wall_s, 3),
                            "output_tokens_per_s": round(sum(r["output_tokens"] for r in done) / duration, 3)
                            if duration > 0 else 0.0},
             "slo": slo_block(rows, slo, duration), "by_class": by_class(rows, slo),

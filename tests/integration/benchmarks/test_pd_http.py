@@ -60,7 +60,10 @@ def test_every_architecture_serves_the_trace_through_the_router(run: Path) -> No
         assert res["requests"]["total"] == 4 and res["requests"]["completed"] == 4 and res["requests"]["lost"] == 0
         assert res["ttft_s"]["p50"] > 0 and res["tpot_s"]["p50"] > 0
         for row in _rows(run, arch):
-            assert row["output_tokens"] == row["target_output_tokens"] and row["ttft_s"] > 0
+            assert row["output_tokens"] == row["target_output_tokens"] and len(row["output_token_ids"]) == \
+                row["target_output_tokens"]
+            # times are the run's (seconds since its start, as arrival_s): every answer ended within the run
+            assert 0 < row["ttft_s"] <= row["e2e_s"] <= res["throughput"]["run_wall_s"] - row["arrival_s"]
         routes = {k: v for k, v in res["router"].items() if k.startswith("kvstore_router_routes_total")}
         if arch == "disaggregated":  # verified hand-offs (or prompts below the threshold) through the router
             assert routes.get('kvstore_router_routes_total{route="handoff"}', 0) + \
