@@ -243,7 +243,8 @@ class ClientRow:
     output_tokens: int = 0
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_text: str = ""
-    errors: list[str] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)  # the first 5
+    failures: int = 0  # failed attempts (their errors beyond the first 5 are not kept)
 
     def to_dict(self) -> dict:
         ttft = None if self.first_token_s is None else round(self.first_token_s - self.arrival_s, 6)
@@ -280,16 +281,23 @@ async def _one(session, base: str, model: str, r: TraceRequest, t0: float, deadl
                     return row
                 if resp.status != 200:
                     retry_after = float(resp.headers.get("Retry-After", "1") or 1)
-                    row.errors.append(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                    _note(row, f"HTTP {resp.status}: {(await resp.text())[:200]}")
                     if resp.status < 500:
                         break
                 elif await _read_stream(resp, row, t0):
                     return row
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
-            row.errors.append(f"{type(exc).__name__}: {exc}"[:200])
+            _note(row, f"{type(exc).__name__}: {exc}"[:200])
         await asyncio.sleep(min(retry_after, 2.0))
     row.lost = True
     return row
+
+
+def _note(row: ClientRow, error: str) -> None:
+    """Keep the first few errors of a request (a request retried for minutes would list hundreds)."""
+    row.failures += 1
+    if len(row.errors) < 5:
+        row.errors.append(error)
 
 
 async def _read_stream(resp, row: ClientRow, t0: float) -> bool:
@@ -304,7 +312,7 @@ async def _read_stream(resp, row: ClientRow, t0: float) -> bool:
             return row.output_tokens > 0
         event = json.loads(payload)
         if "error" in event:
-            row.errors.append(str(event["error"].get("message", event["error"]))[:200])
+            _note(row, str(event["error"].get("message", event["error"]))[:200])
             return False
         now = time.monotonic() - t0
         for choice in event.get("choices") or ():
