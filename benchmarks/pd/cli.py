@@ -219,13 +219,21 @@ def _main_compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     from benchmarks.pd.report import table
 
     try:
-        if args.engine == "vllm":
+        if args.engine == "vllm" and args.via == "router":
+            from benchmarks.pd.http_run import http_compare_config
+
+            http_cfg = http_compare_config(args, *_sources_archs(args))
+        elif args.engine == "vllm":
             sources, archs = _sources_archs(args)
             cfg = vllm_compare_config(args, sources, archs)
         else:
             cfg = _compare_config(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    if args.engine == "vllm" and args.via == "router":
+        from benchmarks.pd.http_run import main_http
+
+        return main_http(http_cfg)
     if args.engine == "vllm":
         from benchmarks.pd.vllm_compare import compare_vllm
 

@@ -20,6 +20,12 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-size", default="256MiB", help="KV cache per vLLM instance")
     g.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     g.add_argument("--cores", default="0,1", help="the two cores the two instances are bound to")
+    g.add_argument("--start-timeout", type=float, default=900.0, metavar="S",
+                   help="how long a vLLM instance may take to start (default %(default)s; minutes on a loaded machine)")
+    g.add_argument("--via", choices=["router", "inprocess"], default="router",
+                   help="router: vLLM OpenAI servers behind `kvstore router`, the trace sent over HTTP and timed at "
+                        "the client (benchmarks/pd/http_run.py); inprocess: engines in worker processes driven "
+                        "step by step (per-step timeline, interference and connector attribution)")
 
 
 def _cores(text: str) -> tuple[int, int]:
@@ -39,7 +45,8 @@ def vllm_compare_config(args: argparse.Namespace, sources: tuple, archs: tuple[A
         model = str(make_model(LlamaShape(seed=args.seed, dtype=args.vllm_dtype), Path(args.out) / "model"))
     engine = VllmConfig(model=model, block_size=args.block_size or 128, chunk_budget=args.chunk_budget,
                         max_model_len=args.max_model_len, kv_cache_bytes=parse_size(args.kv_cache_size),
-                        dtype=args.vllm_dtype, transport=args.transport, cores=_cores(args.cores))
+                        dtype=args.vllm_dtype, transport=args.transport, cores=_cores(args.cores),
+                        start_timeout_s=args.start_timeout)
     return VllmCompareConfig(sources=sources, out_dir=args.out, engine=engine, archs=archs,
                              num_requests=args.num_requests, seed=args.seed, rate_scale=args.rate_scale,
                              slo=Slo(args.slo_ttft, args.slo_tpot, args.slo_attainment),

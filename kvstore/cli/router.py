@@ -38,6 +38,10 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-prefill-below", type=int, metavar="TOKENS",
                    help="prompts shorter than this go straight to decode (default: --plan's rule, else computed "
                         "from the measured prefill cost and hop overhead, at least one block + 1)")
+    p.add_argument("--skip-prefill-hit", type=float, metavar="FRACTION",
+                   help="with --store: prompts of which the store already holds this share (leading blocks) go "
+                        "straight to decode, which loads them (default: --plan's rule, else when the tokens the "
+                        "store lacks are fewer than the short-prompt threshold)")
     p.add_argument("--prefill-timeout", type=float, default=120.0, metavar="S", help="default %(default)s")
     p.add_argument("--decode-timeout", type=float, default=900.0, metavar="S", help="default %(default)s")
     p.add_argument("--idle-timeout", type=float, default=120.0, metavar="S",
@@ -75,6 +79,7 @@ def config_from(args: argparse.Namespace, prefill=None, decode=None, colocated=N
     return RouterConfig(**pools, store=store or getattr(args, "store", None), host=host, port=port,
                         admission=AdmissionKind(args.admission),
                         slo_ttft_s=ttft, slo_tpot_s=tpot, skip_prefill_below=args.skip_prefill_below, plan=plan,
+                        skip_prefill_hit=args.skip_prefill_hit,
                         prefill_timeout_s=args.prefill_timeout, decode_timeout_s=args.decode_timeout,
                         idle_timeout_s=args.idle_timeout, health_interval_s=args.health_interval,
                         connect_timeout_s=args.connect_timeout, eject_after=args.eject_after,

@@ -64,6 +64,10 @@ class RouterConfig:
     #: Prompts shorter than this skip the prefill pool (None: the plan's rule if there is a plan, else computed
     #: from the measured costs, see kvstore.router.estimates.handoff_threshold).
     skip_prefill_below: int | None = None
+    #: Prompts of which the store holds at least this fraction (leading blocks) skip the prefill pool (None: the
+    #: plan's exact rule if there is a plan and no skip_prefill_below, else "the tokens the store lacks are
+    #: fewer than the short-prompt threshold"). Needs ``store``.
+    skip_prefill_hit: float | None = None
     #: ``kvstore router --plan PATH``: the planner's skip rule (its budgets are already in slo_ttft_s/slo_tpot_s).
     plan: RouterPlan | None = None
     #: Prefill instances tried for one request before it falls back to a colocated request on the decode pool.
@@ -87,6 +91,9 @@ class RouterConfig:
                 raise ValueError(f"RouterConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.skip_prefill_below is not None and self.skip_prefill_below < 0:
             raise ValueError(f"RouterConfig.skip_prefill_below must be >= 0, got {self.skip_prefill_below!r}")
+        hit = self.skip_prefill_hit
+        if hit is not None and not (isinstance(hit, (int, float)) and 0 < hit <= 1):
+            raise ValueError(f"RouterConfig.skip_prefill_hit must be in (0, 1], got {hit!r}")
         if not isinstance(self.admission, AdmissionKind):
             raise TypeError(f"RouterConfig.admission must be an AdmissionKind, got {self.admission!r}")
 

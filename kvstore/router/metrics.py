@@ -11,9 +11,12 @@ ROUTES = (
     "fallback_unverified",  # the prefill answered without a saved block (or without params): full request on decode
     "fallback_prefill_failed",  # every prefill attempt failed: full request on decode
     "skip_short",  # prompt below the hand-off threshold: straight to decode
+    "skip_cached",  # the store already holds most of the prompt's blocks: straight to decode (it loads them)
     "store_down",  # the kvstore daemon failed its health check: colocated serving
     "colocated",  # no prefill/decode pools, or they are all down: the colocated pool
 )
+#: Results of the router's store lookups (``kvstore_router_store_lookups_total{result=...}``).
+LOOKUP_RESULTS = ("hit", "miss", "unknown")  # unknown: no layout of the model in the store yet, or no answer
 _LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 
 
@@ -25,7 +28,19 @@ class RouterMetrics:
         self.routes = Counter("kvstore_router_routes", "How requests were served (see docs/router.md)",
                               ["route"], registry=r)
         self.prefill_retries = Counter("kvstore_router_prefill_retries",
-                                       "Prefill hops sent again to another instance", registry=r)
+                                       "Prefill hops sent again to another instance, by why the previous one "
+                                       "did not hand off (failed: no answer or an error; unverified: it answered "
+                                       "without saving a block)", ["reason"], registry=r)
+        self.lookups = Counter("kvstore_router_store_lookups", "Store lookups of a prompt's blocks before a "
+                               "hand-off, by result (hit: at least one leading block held)", ["result"],
+                               registry=r)
+        self.held_fraction = Histogram("kvstore_router_store_held_fraction", "Share of a prompt's tokens whose "
+                                       "blocks the store held at lookup", buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9,
+                                                                                   0.99, 1), registry=r)
+        self.hit_threshold = Gauge("kvstore_router_skip_prefill_hit_fraction", "Prompts of which the store holds "
+                                   "this share skip the prefill pool (--skip-prefill-hit, or the plan's "
+                                   "skip_hit_fraction at its reference prompt; -1: the rule is the tokens the "
+                                   "store lacks against kvstore_router_skip_prefill_below_tokens)", registry=r)
         self.hop_errors = Counter("kvstore_router_hop_errors", "Failed hops, by pool and reason",
                                   ["pool", "reason"], registry=r)
         self.shed = Counter("kvstore_router_shed", "Requests refused with 429 by admission control",
@@ -54,6 +69,10 @@ class RouterMetrics:
                                       ["source"], registry=r)
         for route in ROUTES:
             self.routes.labels(route)
+        for reason in ("failed", "unverified"):
+            self.prefill_retries.labels(reason)
+        for result in LOOKUP_RESULTS:
+            self.lookups.labels(result)
         self.store_up.set(-1)
 
     def render(self) -> bytes:

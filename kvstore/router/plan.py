@@ -1,9 +1,10 @@
 """A planner's router configuration (``kvstore plan --search --router-config PATH``) read by ``kvstore router
 --plan PATH``: the SLO budgets and the skip-the-prefill-pool rule of the planner's cost model.
 
-The rule is :class:`kvstore.planner.thresholds.HandoffThresholds`, rebuilt from the file's ``thresholds``; the
-router applies it with nothing known to be cached (it does not ask the store what a prompt would hit), which
-is exactly ``prompt_tokens < min_prefill_tokens``."""
+The rule is :class:`kvstore.planner.thresholds.HandoffThresholds`, rebuilt from the file's ``thresholds``: a
+prompt with nothing in the store skips the prefill pool when ``prompt_tokens < min_prefill_tokens``; with
+``--store`` the router also asks what the store holds of a prompt and applies ``skip_prefill(prompt, held)``
+(kvstore.router.router.Router.skips_held)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import time
 from aiohttp import web
 
 from kvstore.router.admission import Admission, Refused, Stage
+from kvstore.router.cached import StoreIndex
 from kvstore.router.config import BACKGROUND, INTERACTIVE, RouterConfig
 from kvstore.router.estimates import Estimates, handoff_threshold
 from kvstore.router.hops import HopError, Hops, InstanceAnswer
@@ -37,6 +38,8 @@ class Router:
         self.admission = Admission(config, self.est)
         self.hops = Hops(config)
         self.store_up: bool | None = None  # None: not checked (no --store)
+        #: What the store holds of a prompt (``--store``): a hand-off of a mostly held prompt is skipped.
+        self.index = StoreIndex(config.store, min(config.connect_timeout_s, 5.0)) if config.store else None
 
     # -- what is served, and where -------------------------------------------------------------------------
     def threshold(self) -> int | None:
@@ -60,6 +63,55 @@ class Router:
     def skips_prefill(self, prompt_tokens: int) -> bool:
         limit = self.threshold()
         return limit is None or prompt_tokens < limit
+
+    def hit_fraction(self) -> float | None:
+        """The held share of a prompt at which it skips the prefill pool, when the rule is a share
+        (``--skip-prefill-hit``, or the plan's ``skip_hit_fraction`` at its reference prompt); None when the rule is
+        "the tokens the store lacks are below :meth:`threshold`"."""
+        c = self.config
+        if c.skip_prefill_hit is not None:
+            return c.skip_prefill_hit
+        if c.skip_prefill_below is None and c.plan is not None:
+            return c.plan.thresholds.skip_hit_fraction
+        return None
+
+    def skips_held(self, prompt_tokens: int, held_tokens: int) -> bool:
+        """Skip the prefill pool for a prompt of which the store holds ``held_tokens`` (leading blocks): the
+        decode instance loads them and computes the rest itself."""
+        c, held = self.config, min(held_tokens, prompt_tokens)
+        if held <= 0:
+            return False
+        if c.skip_prefill_hit is not None:
+            return held >= c.skip_prefill_hit * prompt_tokens
+        if c.skip_prefill_below is None and c.plan is not None:  # the planner's exact rule
+            return c.plan.thresholds.skip_prefill(prompt_tokens, held)
+        return self.skips_prefill(prompt_tokens - held)  # what is left to compute is a short prompt
+
+    def model_root(self, req: ClientRequest) -> str | None:
+        """The model path the instances serve the request's model from (their /v1/models ``root``), which
+        names the model in the store's layout index; None for an adapter or an unknown model."""
+        want = req.body.get("model")
+        roots = set()
+        for pool in self.pools:
+            for inst in pool.instances:
+                for card in inst.cards:
+                    if (want is None or card.get("id") == want) and card.get("parent") is None \
+                            and isinstance(card.get("root"), str):
+                        roots.add(card["root"])
+        return roots.pop() if len(roots) == 1 else None
+
+    async def held_tokens(self, req: ClientRequest) -> int | None:
+        """Tokens of the prompt's leading blocks the store holds, counted in /metrics; None: not known."""
+        if self.index is None or not self.store_up:
+            return None
+        salt = req.body.get("cache_salt")
+        held = await self.index.held_tokens(self.model_root(req), req.token_ids, salt if isinstance(salt, str) else "")
+        if held is None:
+            self.metrics.lookups.labels("unknown").inc()
+            return None
+        self.metrics.lookups.labels("hit" if held else "miss").inc()
+        self.metrics.held_fraction.observe(min(held / len(req.token_ids), 1.0))
+        return held
 
     def models(self) -> set[str]:
         return {m for p in self.pools for i in p.instances for m in i.models}
@@ -90,6 +142,10 @@ class Router:
         load = Load(len(req.token_ids), req.max_tokens, req.interactive)
         deadline = arrived + self.config.slo_ttft_s
         params = None
+        if route == "handoff":
+            held = await self.held_tokens(req)
+            if held is not None and self.skips_held(len(req.token_ids), held):
+                route = "skip_cached"
         if route == "handoff":
             route, params = await self.prefill_hop(req, load, deadline)
         self.metrics.routes.labels(route).inc()
@@ -127,14 +183,17 @@ class Router:
         raise Refused(error, 503, self.config.health_interval_s)
 
     async def prefill_hop(self, req: ClientRequest, load: Load, deadline: float) -> tuple[str, dict | None]:
-        """Prefill on up to ``prefill_attempts`` instances; (route, the kv_transfer_params for decode)."""
+        """Prefill on up to ``prefill_attempts`` instances, each tried once: a hop that fails, or that answers
+        without having saved a block, is retried on another (``kvstore_router_prefill_retries_total{reason}``).
+        (route, the kv_transfer_params for decode); the route is a fallback when no attempt handed off."""
         tried: list[Instance] = []
+        route = "fallback_prefill_failed"
         for attempt in range(self.config.prefill_attempts):
-            if attempt:
-                self.metrics.prefill_retries.inc()
             pool = _Without(self.prefill, tried)
             if not pool.live():
                 break
+            if attempt:
+                self.metrics.prefill_retries.labels("unverified" if route == "fallback_unverified" else "failed").inc()
             inst = await self._admit(pool, Stage.PREFILL, load, deadline, queue="prefill")
             tried.append(inst)
             queued = bool(inst.prefilling)
@@ -145,6 +204,7 @@ class Router:
                                                    self._headers(req), self.config.prefill_timeout_s)
             except HopError as exc:
                 self._failed(self.prefill, inst, exc.reason)
+                route = "fallback_prefill_failed"
                 continue
             finally:
                 inst.prefilling.pop(req.key, None)
@@ -157,8 +217,8 @@ class Router:
             if verified(params):
                 return "handoff", params
             log.debug("request %s: prefill on %s saved nothing (%r)", req.request_id, inst.url, params)
-            return "fallback_unverified", None
-        return "fallback_prefill_failed", None
+            route = "fallback_unverified"
+        return route, None
 
     async def decode_hop(self, req: ClientRequest, request: web.Request, pool: Pool, stage: Stage, load: Load,
                          deadline: float, params: dict | None, arrived: float) -> web.StreamResponse:

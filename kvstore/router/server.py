@@ -89,6 +89,7 @@ class RouterApp:
         ok = bool(r.decode.live() or r.colocated.live())
         body = {"status": "ok" if ok else "unavailable", "pools": pools, "store_up": r.store_up,
                 "skip_prefill_below": r.threshold(), "skip_prefill": r.threshold_source(),
+                "skip_prefill_hit": r.hit_fraction(),
                 "estimates": r.est.describe()}
         return web.json_response(body, status=200 if ok else 503, headers={} if ok else {"Retry-After": "1"})
 
@@ -101,6 +102,8 @@ class RouterApp:
         r.metrics.store_up.set(-1 if r.store_up is None else int(r.store_up))
         below, source = r.threshold(), r.threshold_source()["source"]
         r.metrics.threshold.set(float("inf") if below is None else below)
+        hit = r.hit_fraction()
+        r.metrics.hit_threshold.set(-1 if hit is None else hit)
         for name in SOURCES:
             r.metrics.threshold_source.labels(name).set(1 if name == source else 0)
         return web.Response(body=r.metrics.render(), content_type="text/plain", charset="utf-8")
@@ -116,6 +119,8 @@ class RouterApp:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.router.hops.close()
+        if self.router.index is not None:
+            await asyncio.to_thread(self.router.index.close)
 
     async def _checks(self) -> None:
         while True:
@@ -130,6 +135,10 @@ class RouterApp:
         if self.router.config.store:
             checks.append(self._check_store())
         await asyncio.gather(*checks)
+        r = self.router
+        if r.index is not None and r.store_up:  # the layouts the model's blocks are stored under
+            await r.index.refresh({c["root"] for p in r.pools for i in p.instances for c in i.cards
+                                   if isinstance(c.get("root"), str)})
         await self.router.admission.release()
 
     async def _check(self, pool: Pool, inst: Instance) -> None:

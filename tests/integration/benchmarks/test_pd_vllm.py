@@ -72,7 +72,8 @@ def _compare(model: Path, out: Path, *extra: str) -> Path:
     # prompts of 1-3 blocks of 64 tokens: every hand-off has full blocks to move, and the decode instance
     # computes the last partial block itself. float32: in bf16, decode batches of other sizes (one instance
     # decoding everything vs two sharing it) can flip a near-tie argmax late in a random model's output
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.pd", "compare", "--engine", "vllm", "--model",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.pd", "compare", "--engine", "vllm", "--via", "inprocess",
+                           "--model",
                            str(model), "--workloads", "short", "--num-requests", "4", "--block-size", "64",
                            "--max-model-len", "1024", "--kv-cache-size", "32MiB", "--chunk-budget", "64",
                            "--transport", "tcp", "--vllm-dtype", "float32", "--out", str(out), *extra],

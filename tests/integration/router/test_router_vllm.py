@@ -132,6 +132,49 @@ def test_a_short_prompt_skips_the_prefill_pool(fleet):
     assert metric(base, "kvstore_router_routes_total", route="skip_short") == before + 1
 
 
+def test_a_prompt_the_store_mostly_holds_skips_the_prefill_pool(fleet):
+    """The router asks the daemon (batch_exists of the connector's keys) what it holds of a prompt: a prompt whose
+    first blocks a previous hand-off saved goes straight to decode, which loads them and computes the rest."""
+    base = fleet["router"]
+    first = words(3 * BLOCK, seed=20)
+    status, _, answer = post(base, "/v1/completions", completion(fleet, first))
+    assert status == 200, answer
+    routes = ("skip_cached", "handoff")
+    before = {r: metric(base, "kvstore_router_routes_total", route=r) for r in routes}
+    hits = metric(base, "kvstore_router_store_lookups_total", result="hit")
+    longer = first + " " + words(5, seed=21)
+    status, _, answer = post(base, "/v1/completions", completion(fleet, longer))
+    assert status == 200, answer
+    after = {r: metric(base, "kvstore_router_routes_total", route=r) for r in routes}
+    assert after == {"skip_cached": before["skip_cached"] + 1, "handoff": before["handoff"]}
+    assert metric(base, "kvstore_router_store_lookups_total", result="hit") == hits + 1
+    # the rule in force: the 5 tokens the store lacks are a short prompt (--skip-prefill-below)
+    assert metric(base, "kvstore_router_skip_prefill_hit_fraction") == -1
+    _, _, direct = post(fleet["decode"], "/v1/completions", completion(fleet, longer))
+    assert answer["choices"][0]["text"] == direct["choices"][0]["text"]
+
+
+def test_a_prefill_that_saves_nothing_is_retried_on_another_prefill_instance(fleet):
+    """The decode instance (a kv_consumer: it answers a prefill hop without saving a block) listed first in
+    the prefill pool: the hop is retried on the real prefill instance, counted, and handed off."""
+    _, base = start_router(fleet["fleet"], "router-retry", "--prefill", fleet["decode"], "--prefill",
+                           fleet["prefill"], "--decode", fleet["decode"], "--skip-prefill-below", "1")
+    prompt = words(2 * BLOCK + 3, seed=22)
+    status, _, answer = post(base, "/v1/completions", completion(fleet, prompt))
+    assert status == 200, answer
+    assert metric(base, "kvstore_router_prefill_retries_total", reason="unverified") == 1
+    route = "handoff" if REPORTS_SAVES else "fallback_unverified"
+    assert metric(base, "kvstore_router_routes_total", route=route) == 1
+    # a pool of instances that save nothing: after every one of them, the counted colocated fallback on decode
+    _, base = start_router(fleet["fleet"], "router-no-saver", "--prefill", fleet["decode"], "--decode",
+                           fleet["decode"], "--skip-prefill-below", "1")
+    status, _, again = post(base, "/v1/completions", completion(fleet, prompt))
+    assert status == 200, again
+    assert metric(base, "kvstore_router_routes_total", route="fallback_unverified") == 1
+    assert metric(base, "kvstore_router_prefill_retries_total") == 0
+    assert again["choices"][0]["text"] == answer["choices"][0]["text"]
+
+
 @pytest.mark.parametrize("body, headers, status", [
     (b"{not json", {}, 400),
     (b"[1, 2]", {}, 400),
@@ -241,14 +284,18 @@ def _child(fleet, name: str):
 
 
 def test_a_stuck_prefill_instance_times_out_falls_back_is_ejected_and_readmitted(fleet):
-    _, base = start_router(fleet["fleet"], "router-stuck-prefill", "--prefill", fleet["prefill"], "--decode",
-                           fleet["decode"], "--skip-prefill-below", "1", "--prefill-timeout", "3")
+    """A stuck prefill instance: the hop times out and is retried on the next prefill instance (here the decode
+    instance, which saves nothing: then the counted fallback)."""
+    _, base = start_router(fleet["fleet"], "router-stuck-prefill", "--prefill", fleet["prefill"], "--prefill",
+                           fleet["decode"], "--decode", fleet["decode"], "--skip-prefill-below", "1",
+                           "--prefill-timeout", "3")
     group = _child(fleet, "prefill").proc.pid
     os.killpg(group, signal.SIGSTOP)  # alive, accepting connections, answering nothing
     try:
         status, _, answer = post(base, "/v1/completions", completion(fleet, words(BLOCK + 5, seed=10)), timeout=120)
         assert status == 200, answer
         assert metric(base, "kvstore_router_hop_errors_total", pool="prefill", reason="timeout") >= 1
+        assert metric(base, "kvstore_router_prefill_retries_total", reason="failed") >= 1
         assert wait_until(lambda: metric(base, "kvstore_router_instance_up", pool="prefill",
                                          url=fleet["prefill"]) == 0, 30)
     finally:

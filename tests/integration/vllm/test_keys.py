@@ -67,3 +67,18 @@ def test_layout_key_lives_next_to_the_blocks():
     fp = LAYOUT.fingerprint()
     assert layout_key(fp) == f"vllm/{fp}/layout"
     assert LAYOUT.block_nbytes == 2 * 2 * 4 * 128 * 2
+
+
+def test_prompt_block_keys_are_the_chain_under_the_requests_root():
+    """What a router asks the store for a prompt: the full blocks' keys, rooted like the scheduler's (the salt
+    and the adapter separate them), the partial last block left out."""
+    from kvstore.integrations.vllm.keys import PROMPT_ROOT, prompt_block_keys, prompt_root
+
+    fp, ids = LAYOUT.fingerprint(), list(range(3, 14))
+    keys = prompt_block_keys(ids, fp, 4)
+    assert keys == [block_key(fp, d) for d in block_hashes(ids, 4, PROMPT_ROOT)] and len(keys) == 2
+    assert prompt_root() == PROMPT_ROOT
+    salted = prompt_block_keys(ids, fp, 4, cache_salt="s")
+    adapted = prompt_block_keys(ids, fp, 4, adapter="a@/p")
+    assert len({keys[0], salted[0], adapted[0]}) == 3
+    assert salted == [block_key(fp, d) for d in block_hashes(ids, 4, prompt_root("s", ""))]

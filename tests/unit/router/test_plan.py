@@ -113,6 +113,30 @@ def test_health_and_metrics_say_which_threshold_and_from_where(plan_file):
     assert 'kvstore_router_skip_prefill_source{source="estimate"} 0.0' in metrics
 
 
+def test_the_held_share_rule_follows_the_plan_the_option_or_the_missing_tokens(plan_file):
+    """A prompt the store mostly holds skips the prefill pool: by the planner's exact rule with --plan, by
+    --skip-prefill-hit when given, else when the tokens the store lacks would be a short prompt."""
+    rule = HandoffThresholds.from_dict(json.load(open(plan_file))["thresholds"])
+    planned = _router("--plan", plan_file)
+    n = rule.reference_prompt_tokens
+    assert planned.hit_fraction() == rule.skip_hit_fraction
+    for held in (0, n // 4, n // 2, 3 * n // 4, n):
+        assert planned.skips_held(n, held) == (held > 0 and rule.skip_prefill(n, held))
+    assert not planned.skips_held(n, 0) and planned.skips_held(n, n)
+    option = _router("--plan", plan_file, "--skip-prefill-hit", "0.5")
+    assert option.hit_fraction() == 0.5
+    assert [option.skips_held(1000, h) for h in (0, 499, 500, 1000)] == [False, False, True, True]
+    below = _router("--skip-prefill-below", "100")
+    assert below.hit_fraction() is None
+    assert [below.skips_held(1000, h) for h in (0, 900, 901, 2000)] == [False, False, True, True]
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.1"])
+def test_skip_prefill_hit_outside_0_1_is_refused(value):
+    with pytest.raises(ValueError, match="skip_prefill_hit"):
+        _router("--skip-prefill-hit", value)
+
+
 def _broken(plan_file: str, tmp_path, change) -> str:
     doc = json.load(open(plan_file))
     change(doc)
