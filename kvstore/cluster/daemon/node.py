@@ -184,15 +184,16 @@ class ClusterServer(Server):
         is answered with a copy the directory no longer lists. A stop is known exactly (SIGCONT); any other
         stall (a VM pause, starvation) by the gap it leaves in the ticker's rounds (over ``STALL_S``)."""
         now = time.monotonic()
-        gap = now - self._tick > STALL_S
-        stalled = self._continued or gap
-        self._continued = False
-        if gap:
+        if now - self._tick > STALL_S:
             self.index.stopped()  # no SIGCONT told us (a VM pause, starvation): mark the index here
-        if stalled and self.membership.joined and not self._leaving:  # a check already running may predate it
+            self._continued = True
+        self._tick = now
+        # a check already running may predate the stall; one owed while we are not joined waits until we are
+        # (the index's stop marks keep same-host readers off it meanwhile)
+        if self._continued and self.membership.joined and not self._leaving:
+            self._continued = False
             self.counters["catch_ups"] += 1
             self._catch_up = asyncio.ensure_future(self._reconcile())
-        self._tick = now
         return self._catch_up if self._catch_up is not None and not self._catch_up.done() else None
 
     async def _caught_up(self) -> None:
