@@ -2,8 +2,8 @@
 
 Small objects (up to ``INLINE_MAX``) travel inline on the control connection: one round trip. Larger ones
 take the negotiated transport (``shm``: one copy into or out of the mapped segment). On the same host a
-``get_into`` first tries the daemon's shared-memory index: no round trip at all (not for a cluster member: its
-index may show a version the directory no longer lists, so its clients ask it).
+``get_into`` first tries the daemon's shared-memory index: no round trip at all (a cluster member's index only
+while the member runs and has re-checked its entries since it last stopped: ``kvstore.memory.procstate``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from kvstore.core.meta import ObjectMeta
 from kvstore.core.value import KVObject, Payload
 from kvstore.errors import InvalidArgumentError, KVStoreError, StoreConnectionError, TransportError, error_from_wire
 from kvstore.memory.index import IndexReader
+from kvstore.memory.procstate import ProcessGate
 from kvstore.memory.shm import SharedMemory, SharedMemoryError
 from kvstore.protocol import wire
 from kvstore.protocol.credentials import env_token
@@ -57,6 +58,7 @@ class RemoteStore(KVStore):
         self._index: IndexReader | None = None
         self._index_shm: SharedMemory | None = None
         self._index_direct = True  # whether a get may answer from the index without asking anyone
+        self._index_gate: ProcessGate | None = None  # a cluster member's: read its index only while it runs
         self._device: DirectDeviceMemory | None = None  # built on first use of device memory
         self._device_reason = ""  # why this connection cannot move device memory, once known
         self._inline: Transport = transports.get("tcp")({})  # the stream path: small objects, whatever the data path
@@ -121,9 +123,11 @@ class RemoteStore(KVStore):
                                   stale_after=float(lease))
         # a cluster member's index shows what it holds, not what the directory still lists: a member stopped
         # before it heard of a removal or a newer write elsewhere would show the old version, so its plain
-        # clients ask it (a stopped member cannot answer: a timeout, never stale bytes); only the cluster
-        # client reads it, for the version a directory lookup listed
+        # clients ask it (a stopped member cannot answer: a timeout, never stale bytes) unless they can see
+        # from here that it runs and re-checked its entries since it last stopped
         self._index_direct = bool(hello.get("index_direct", True))
+        if not self._index_direct and hello.get("index_gate"):
+            self._index_gate = ProcessGate.open(hello["index_gate"])
         if hello.get("arena_bytes"):
             self._arenas = ArenaWriter(self._conn, regions, hello["arena_bytes"])
 
@@ -186,13 +190,19 @@ class RemoteStore(KVStore):
         if handles:
             self._writes.abort(handles, quiet)
 
+    def _read_index(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int, int] | None:
+        """Copy ``key`` through the daemon's shared-memory index without a round trip: (size, version,
+        checksum), or None (not there, not trusted now, or a cluster member that may not be caught up)."""
+        if self._index is None or not (self._index_direct or self._index_gate is not None):
+            return None
+        # no round trip, so check the daemon's life here: a dead daemon's index must never answer
+        self._conn.check_alive()
+        return self._index.read_into(key, fit, gate=self._index_gate)
+
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
-        if self._index is not None and self._index_direct:
-            # no round trip, so check the daemon's life here: a dead daemon's index must never answer
-            self._conn.check_alive()
-            hit = self._index.read_into(key, fit)
-            if hit is not None:  # the index keeps "no checksum" (objects put from device memory) as 0
-                return hit[0], hit[2] or None
+        hit = self._read_index(key, fit)
+        if hit is not None:  # the index keeps "no checksum" (objects put from device memory) as 0
+            return hit[0], hit[2] or None
         reply = self._read(key, lambda r: fit(r["meta"]["size"]), self._data)
         meta = reply["meta"]
         if not reply.get("stream"):
@@ -402,6 +412,9 @@ class RemoteStore(KVStore):
             self._device.close()
             self._device = None
         self._data.close()  # unpins the shared memory device copies pinned, then unmaps it
+        if self._index_gate is not None:
+            self._index_gate.close()
+            self._index_gate = None
         if self._index_shm is not None:
             self._index = None
             self._index_shm.close()

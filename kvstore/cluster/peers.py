@@ -3,8 +3,9 @@
 A ``NodeClient`` is a RemoteStore of one member that reads only what that member holds itself (``peer_get``):
 the serving daemon never resolves the key again through the directory, so a stale entry cannot bounce a
 request between nodes. On the same host the data path is the member's shared memory (its index answers without
-a round trip, for the version a directory lookup just listed); elsewhere the stream path over TCP, straight into
-the caller's buffer. Connections of an epoch that is gone (the member restarted) are never reused: an old
+a round trip: for a key of the home member while it runs and has re-checked its entries since it last stopped,
+else for the version a directory lookup just listed); elsewhere the stream path over TCP, straight into the
+caller's buffer. Connections of an epoch that is gone (the member restarted) are never reused: an old
 mapping would show the old daemon's memory.
 """
 
@@ -30,6 +31,15 @@ class NodeClient(RemoteStore):
         self.node, self.epoch, self.read_timeout = node, epoch, read_timeout
         self.expected_node = node  # the daemon at addr must prove it is this node (and knows the token)
         super().__init__(addr, **options)
+
+    def read_index(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int, int] | None:
+        """Copy ``key`` through the member's shared-memory index, no round trip at all: (size, version,
+        checksum), or None when there is no index here (another host), it does not list the key, or the member
+        may show what the directory no longer holds (stopped now or during the copy, or not re-checked since it
+        last stopped: the gate and the stop marks, ``kvstore.memory.procstate``)."""
+        if self._index_gate is None:
+            return None  # it cannot be seen from here whether the member runs: ask the directory first
+        return self._read_index(key, fit)
 
     def fetch_into(self, key: str, alloc: Callable[[int], memoryview], expect=None) -> ObjectMeta:
         """Copy the member's own copy of ``key`` into ``alloc(size)``; return its metadata.

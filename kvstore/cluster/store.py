@@ -5,11 +5,14 @@ URL: ``kvcluster://[:PASSWORD@]REDIS_HOST:PORT/DB[?node=NAME&placement=local|bal
 ``kvclusters://`` reaches Redis over TLS, ``kvcluster+sentinel://[:PASSWORD@]S1:26379,S2:26379/SERVICE/DB`` through
 Sentinel; other query parameters go to the Redis client (e.g. ``ssl_ca_certs``).
 
-Reads: every read costs one directory lookup (one Redis round trip; ``batch_get_into`` and ``batch_exists``
-share one per 512 keys) and copies only a version that lookup listed, straight from a node holding it — one
-transfer, shared memory on this host (a same-host daemon's shared-memory index answers for the listed version
-without a round trip to the daemon), TCP elsewhere. So a read never returns what the directory no longer holds,
-even from a daemon stopped before it heard that the key was removed or rewritten elsewhere. A dead owner
+Reads: a key the home daemon (the member on this host, or ``node=``) holds is copied through its shared-memory
+index without any round trip while that daemon's process runs (``/proc``) and has re-checked its entries against
+the directory since it was last stopped or stalled (the index's stop marks), checked after the copy; any other
+key, and any key while that check fails, costs one directory lookup (one Redis round trip; ``batch_get_into`` and
+``batch_exists`` share one per 512 keys) and copies only a version that lookup listed, straight from a node
+holding it — one transfer, shared memory on this host, TCP elsewhere. So a read never returns what the directory
+no longer held when the read began, even from a daemon stopped before it heard that the key was removed or
+rewritten elsewhere (docs/cluster.md, "Consistency", for the milliseconds a running daemon takes to hear). A dead owner
 with no live copy left: KeyNotFoundError, bounded by ``peer_timeout`` per owner tried (default the smaller of
 ``timeout`` and 5 s, the daemons' default; an unreachable node is skipped for a while after it timed out once).
 Redis calls are bounded by ``timeout``.
@@ -239,6 +242,15 @@ class ClusterStore(KVStore):
         return results[0]
 
     # ---- reads --------------------------------------------------------------------------------------
+    def _home_index(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int, int] | None:
+        home = self._home(self._usable())
+        if home is None or home.host != self.host:
+            return None
+        try:
+            return self._on(home, lambda c: c.read_index(key, fit))
+        except (StoreConnectionError, TransportError, AuthenticationError):
+            return None
+
     def _rank(self, entries: list[Entry]) -> list[Entry]:
         usable = [e for e in entries if not self.pool.suspected(e.node, e.epoch)]
         random.shuffle(usable)
@@ -273,23 +285,34 @@ class ClusterStore(KVStore):
         except (redis.RedisError, OSError) as exc:
             raise redis_failure(exc, self.redis_url) from None
 
-    # Every read starts with a directory lookup and copies only a version it lists (the home daemon's too,
-    # through its shared-memory index when it shows that version): a daemon's own index shows what it holds,
-    # which, if it was stopped before it heard of a removal or a newer write elsewhere, the directory may no
-    # longer hold. The bytes returned are a version the directory listed during the call.
+    # A read of the home daemon's key is answered by its shared-memory index while its process runs and has
+    # re-checked its entries since it was last stopped (checked after the copy: ``NodeClient.read_index``);
+    # every other read starts with a directory lookup and copies only a version it lists. Either way the bytes
+    # returned are a version the directory listed when the read began, or later.
     def _get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
+        hit = self._home_index(key, fit)
+        if hit is not None:
+            return hit[0], hit[2]
         meta = self._from_owner(key, self._lookup([key])[key], lambda c, e: c.fetch_into(key, fit, e))
         return meta.size, meta.checksum
 
     def batch_get_into(self, keys: Sequence[str], outs: Sequence[Any]) -> list[int]:
-        """Like get_into for each key; the keys share one directory lookup (per 512)."""
+        """Like get_into for each key; the keys not read through the home daemon's index share one directory
+        lookup (per 512)."""
         if len(keys) != len(outs):
             raise InvalidArgumentError(f"batch_get_into got {len(keys)} keys but {len(outs)} buffers")
         keys = [validate_key(k) for k in keys]
         fits = [_fitter(k, writable_view(o)) for k, o in zip(keys, outs, strict=True)]
-        found = self._lookup(keys) if keys else {}
-        return [self._from_owner(key, found[key], lambda c, e, key=key, fit=fit: c.fetch_into(key, fit, e)).size
-                for key, fit in zip(keys, fits, strict=True)]
+        sizes: list[int | None] = []
+        for key, fit in zip(keys, fits, strict=True):
+            hit = self._home_index(key, fit)
+            sizes.append(None if hit is None else hit[0])
+        missing = [i for i, size in enumerate(sizes) if size is None]
+        found = self._lookup([keys[i] for i in missing]) if missing else {}
+        for i in missing:
+            sizes[i] = self._from_owner(keys[i], found[keys[i]],
+                                        lambda c, e, i=i: c.fetch_into(keys[i], fits[i], e)).size
+        return sizes  # type: ignore[return-value]
 
     def _get(self, key: str, *, copy: bool) -> KVObject:
         if not copy:  # a view of memory on this host, leased: the home daemon resolves and holds it

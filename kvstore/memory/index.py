@@ -11,7 +11,14 @@ clean stop) and a heartbeat (CLOCK_MONOTONIC ns, renewed every housekeeping roun
 generation, of a stopped daemon or of one whose heartbeat is stale falls back to RPC, which fails the way every
 other call does; the client also checks its control connection (a SIGKILLed daemon's socket reads EOF).
 
-Layout: a 64-byte header (magic, layout, slots, table seq, generation, heartbeat, alive), then ``slots``
+Stop marks (a cluster member's, ``IndexWriter.stopped``/``checked``): two counters in the header, ``stops``
+(bumped the moment the daemon learns it was stopped or stalled: its SIGCONT handler, a gap in its loop) and
+``checked`` (the ``stops`` value as of the start of its last finished re-check of its entries against the
+directory). While they differ the daemon may still show copies the directory no longer holds, so a gated read
+(``read_into(..., gate=...)``) copies only while they are equal, and unchanged across the copy, and while the
+gate (the daemon's process not stopped: ``kvstore.memory.procstate``) says so after the copy.
+
+Layout: a 64-byte header (magic, layout, slots, table seq, generation, heartbeat, alive, stops, checked), then ``slots``
 slots of 96 bytes, open addressing with linear probing on the
 xxh3-128 of the key. Slot fields: seq (odd while being written), h1, h2, version, segment, state, offset,
 size, expires (CLOCK_MONOTONIC seconds, 0 = never), checksum, atime (written by readers), padding.
@@ -32,6 +39,9 @@ LAYOUT = 2
 HEADER = struct.Struct("<QIIQQQQ16x")
 LIFE = struct.Struct("<QQQ")  # generation, heartbeat ns, alive: after the table seq
 _LIFE_OFFSET = 24
+MARKS = struct.Struct("<QQ")  # stops, checked: in what was the header's padding (zero: never stopped)
+_MARKS_OFFSET = 48
+_STOPS = struct.Struct("<Q")
 SLOT = struct.Struct("<QQQQIIQQdQQ16x")
 SEQ = struct.Struct("<Q")
 BODY = struct.Struct("<QQQIIQQdQ")  # h1 .. checksum, after seq
@@ -79,6 +89,24 @@ class IndexWriter:
     def stop(self) -> None:
         """The daemon is stopping: readers that still map the index stop trusting it."""
         LIFE.pack_into(self.buf, _LIFE_OFFSET, self.generation, 0, 0)
+
+    def stopped(self) -> int:
+        """The daemon was stopped or stalled: gated readers stop reading until ``checked`` catches up. Returns
+        the new stop count. Safe in a signal handler (one store); a bump lost to a handler that ran between the
+        load and the store still leaves the count above ``checked``."""
+        stops: int = _STOPS.unpack_from(self.buf, _MARKS_OFFSET)[0] + 1
+        _STOPS.pack_into(self.buf, _MARKS_OFFSET, stops)
+        return stops
+
+    def stops(self) -> int:
+        stops: int = _STOPS.unpack_from(self.buf, _MARKS_OFFSET)[0]
+        return stops
+
+    def checked(self, stops: int) -> None:
+        """A re-check of every entry against the directory that began when the stop count was ``stops``
+        finished: gated readers read again once no stop came after it. Never moves back."""
+        if stops > _STOPS.unpack_from(self.buf, _MARKS_OFFSET + 8)[0]:
+            _STOPS.pack_into(self.buf, _MARKS_OFFSET + 8, stops)
 
     def publish(self, key: str, version: int, segment: int, offset: int, size: int,
                 expires: float | None, checksum: int | None) -> bool:
@@ -181,6 +209,11 @@ class IndexReader:
         generation, beat, alive = LIFE.unpack_from(self.buf, _LIFE_OFFSET)
         return bool(alive == 1 and generation == self.generation and time.monotonic_ns() - beat <= self._stale_ns)
 
+    def marks(self) -> tuple[int, int]:
+        """(stops, checked): see the module's docstring."""
+        stops, checked = MARKS.unpack_from(self.buf, _MARKS_OFFSET)
+        return stops, checked
+
     def find(self, key: str) -> tuple[int, tuple[Any, ...]] | None:
         """(slot base, slot fields) of the key's live slot as seen now, or None."""
         h1, h2 = key_hash(key)
@@ -199,15 +232,20 @@ class IndexReader:
             idx = (idx + 1) & self.mask
         return None
 
-    def read_into(self, key: str, out: Callable[[int], memoryview],
-                  only: int | None = None) -> tuple[int, int, int] | None:
+    def read_into(self, key: str, out: Callable[[int], memoryview], only: int | None = None,
+                  gate: Callable[[], bool] | None = None) -> tuple[int, int, int] | None:
         """Copy the object into ``out(size)``'s view; return (size, version, checksum) or None to fall back.
 
         ``out`` is called with the object's size and returns a writable byte view (it may raise, e.g.
         BufferTooSmallError, before anything is written). ``only``: copy only that version (another one shown
-        now is None, with nothing written)."""
+        now is None, with nothing written). ``gate``: a gated read (a cluster member's index): the stop marks
+        must be equal before the copy and unchanged after it, and ``gate()`` true after it; otherwise None
+        (the buffer may have been written: the caller's fallback overwrites it)."""
         if not self.trusted():
             return None
+        marks = self.marks() if gate is not None else (0, 0)
+        if marks[0] != marks[1]:
+            return None  # stopped or stalled since the last re-check against the directory
         for _ in range(self.MAX_RETRIES):
             table_seq = HEADER.unpack_from(self.buf, 0)[3]
             if table_seq & 1:
@@ -231,6 +269,8 @@ class IndexReader:
             dst[:size] = src
             src.release()
             if SEQ.unpack_from(self.buf, base)[0] == seq and HEADER.unpack_from(self.buf, 0)[3] == table_seq:
+                if gate is not None and (self.marks() != marks or not gate()):
+                    return None  # stopped (now, or since the copy began): what it shows may be gone
                 ATIME.pack_into(self.buf, base + _ATIME_OFFSET, time.monotonic_ns())
                 return size, version, checksum
         return None

@@ -15,7 +15,10 @@ drop only the copies that the directory says were superseded or removed meanwhil
 (restart without persistence) is different again: we re-register under the same epoch and republish every
 object we hold (the directory is rebuilt from the daemons' own indexes). After any stall (a SIGSTOP however
 short, or the loop idle for over ``STALL_S``) requests wait until we re-checked our entries against the
-directory (``_stalled``): the events of removals and newer writes elsewhere may still be unread then.
+directory (``_stalled``): the events of removals and newer writes elsewhere may still be unread then. The
+shared-memory index shows the same thing to same-host readers: its stop count is bumped the moment we learn of
+a stop (the SIGCONT handler) or a stall, and the re-check, when it finishes, records the count it started at;
+readers copy from the index without asking us only while the two are equal and our process is not stopped.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvstore.cluster.peers import PeerPool
 from kvstore.core.master import Replica
 from kvstore.daemon.server import Server, ServerConfig
 from kvstore.errors import ObjectBusyError
+from kvstore.memory.procstate import pid_namespace, start_time
 
 log = logging.getLogger("kvstore.cluster")
 WAIT_RECHECK_S = 1.0  # a waiter re-reads the directory this often, in case an event was lost
@@ -65,6 +69,10 @@ class ClusterServer(Server):
         self._continued = False  # SIGCONT arrived: we were stopped, for however short a time
         self._old_sigcont: object = None
         self._leaving = False
+        # what a same-host reader checks our process by (hello ``index_gate``; None: readers ask us instead)
+        ns, start = pid_namespace(), start_time()
+        self.index_gate = None if ns is None or start is None else {"pid": self.pid, "pid_ns": list(ns),
+                                                                     "start": start}
         self.counters = {"superseded": 0, "removed_by_peers": 0, "lapses": 0, "rebuilds": 0,
                          "resumes": 0, "catch_ups": 0}
 
@@ -159,6 +167,9 @@ class ClusterServer(Server):
 
     def _on_sigcont(self, signum: int, frame: object) -> None:
         self._continued = True
+        index = getattr(self, "index", None)
+        if index is not None:
+            index.stopped()  # first: same-host readers stop trusting the index until the re-check finished
 
     async def _ticker(self) -> None:
         while self._running():
@@ -173,12 +184,16 @@ class ClusterServer(Server):
         is answered with a copy the directory no longer lists. A stop is known exactly (SIGCONT); any other
         stall (a VM pause, starvation) by the gap it leaves in the ticker's rounds (over ``STALL_S``)."""
         now = time.monotonic()
-        stalled = self._continued or now - self._tick > STALL_S
-        self._continued = False
-        if stalled and self.membership.joined and not self._leaving:  # a check already running may predate it
+        if now - self._tick > STALL_S:
+            self.index.stopped()  # no SIGCONT told us (a VM pause, starvation): mark the index here
+            self._continued = True
+        self._tick = now
+        # a check already running may predate the stall; one owed while we are not joined waits until we are
+        # (the index's stop marks keep same-host readers off it meanwhile)
+        if self._continued and self.membership.joined and not self._leaving:
+            self._continued = False
             self.counters["catch_ups"] += 1
             self._catch_up = asyncio.ensure_future(self._reconcile())
-        self._tick = now
         return self._catch_up if self._catch_up is not None and not self._catch_up.done() else None
 
     async def _caught_up(self) -> None:
@@ -223,7 +238,9 @@ class ClusterServer(Server):
             log.warning("our node record lapsed (stalled or cut off for over %.1f s): dropping %d objects the "
                         "cluster already counts as lost, rejoining with a new epoch", self.cluster.node_ttl,
                         len(self.owned))
-            self.drop_all()
+            stops = self.index.stops()
+            self.drop_all()  # the index shows none of them any more: as good as a finished re-check
+            self.index.checked(stops)
             self.publisher.clear()
             self.membership.renew_epoch()
         else:
@@ -323,21 +340,24 @@ class ClusterServer(Server):
         self.poke()
 
     async def _reconcile(self) -> None:
-        """Drop copies whose directory entry is no longer ours (superseded or removed while we were deaf)."""
+        """Drop copies whose directory entry is no longer ours (superseded or removed while we were deaf).
+        Once done, the index shows the stop count as of its start as checked (``IndexWriter.checked``)."""
         import redis
 
+        stops = self.index.stops()  # a stop after this point is not covered by this check
         epoch = self.membership.epoch
         expected = [(k, encode_entry(epoch, r.meta)) for k, r in self.owned.items() if not self.publisher.unflushed(k)]
-        if not expected:
-            return
-        try:
-            stale = await self.directory.stale(self.node_id, expected)
-        except (redis.RedisError, OSError):
-            self._reconcile_due = True
-            return
-        for key in stale:
-            if key in self.owned and not self.publisher.unflushed(key) and epoch == self.membership.epoch:
-                self.drop_local(key)
+        if expected:
+            try:
+                stale = await self.directory.stale(self.node_id, expected)
+            except (redis.RedisError, OSError):
+                self._reconcile_due = True
+                return
+            for key in stale:
+                if key in self.owned and not self.publisher.unflushed(key) and epoch == self.membership.epoch:
+                    self.drop_local(key)
+        if epoch == self.membership.epoch:
+            self.index.checked(stops)
 
     async def _upkeep(self) -> None:
         import redis

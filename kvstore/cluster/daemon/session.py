@@ -36,8 +36,11 @@ class ClusterSession(Session):
         reply["index_lease_s"] = INDEX_LEASE_S
         # and even within the lease it shows what we hold, not what the directory still lists (we may not have
         # heard of a removal or a newer write elsewhere yet): a plain client asks us instead of reading it, the
-        # cluster client reads it only for the version its directory lookup listed
+        # cluster client reads it only for the version its directory lookup listed -- unless the reader can
+        # see from its side that we run (our process, by /proc) and that we re-checked our entries since we
+        # were last stopped (the index's stop marks): then it reads the index without a round trip
         reply["index_direct"] = False
+        reply["index_gate"] = self.ctx.index_gate
         return reply
 
     async def _dispatch(self, message: dict) -> None:

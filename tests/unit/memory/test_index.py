@@ -121,3 +121,43 @@ def test_atime_written_by_reader():
 def test_bad_magic():
     with pytest.raises(ValueError):
         index.IndexReader(memoryview(bytearray(index.table_bytes(16))), None)
+
+
+def gated(reader, key, gate=lambda: True, during=None):
+    out = bytearray(64)
+
+    def fit(n):
+        if during is not None:
+            during()  # what happens to the daemon while the copy runs
+        return memoryview(out)
+
+    hit = reader.read_into(key, fit, gate=gate)
+    return None if hit is None else bytes(out[:hit[0]])
+
+
+def test_gated_read_only_while_no_stop_is_left_unchecked():
+    w, r, mem = make()
+    mem.data[0:3] = b"old"
+    w.publish("k", version=1, segment=0, offset=0, size=3, expires=None, checksum=0)
+    assert r.marks() == (0, 0) and gated(r, "k") == b"old"
+    began = w.stops()
+    assert w.stopped() == began + 1  # SIGCONT: stopped since the last re-check
+    assert gated(r, "k") is None
+    assert read(r, "k")[0] == b"old"  # an ungated read (a single daemon's index) does not look at the marks
+    w.checked(began)  # a re-check that began before that stop does not cover it
+    assert gated(r, "k") is None
+    w.checked(began + 1)
+    assert gated(r, "k") == b"old"
+    w.checked(began)  # a late, older re-check never moves it back
+    assert r.marks() == (began + 1, began + 1) and gated(r, "k") == b"old"
+
+
+def test_gated_read_is_discarded_when_a_stop_or_a_closed_gate_comes_during_the_copy():
+    w, r, mem = make()
+    mem.data[0:3] = b"old"
+    w.publish("k", version=1, segment=0, offset=0, size=3, expires=None, checksum=0)
+    assert gated(r, "k", during=w.stopped) is None  # stopped and resumed while copying
+    w.checked(w.stops())
+    assert gated(r, "k", gate=lambda: False) is None  # the process is stopped now
+    calls = []
+    assert gated(r, "k", gate=lambda: calls.append(1) or True) == b"old" and calls == [1]  # checked after the copy
