@@ -359,7 +359,14 @@ class RemoteStore(KVStore):
         return info
 
     def stats(self) -> dict[str, Any]:
+        """The daemon's stats, with every connection (asked for page by page)."""
         out: dict[str, Any] = self._call("stats")
+        connections: list[dict[str, Any]] = out.get("connections", [])
+        while out.pop("connections_more", False) and connections:
+            page = self._call("stats", after=connections[-1]["id"])
+            connections += page["connections"]
+            out["connections_more"] = page.get("connections_more", False) and bool(page["connections"])
+        out["connections"] = connections
         out["transport"] = self.transport
         out["compression"] = self.wire.describe()
         device = self.device_memory()

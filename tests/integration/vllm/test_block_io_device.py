@@ -143,11 +143,15 @@ def test_asynchronous_saver_drops_a_save_whose_device_copy_fails(daemon):
     _, src, layout = vllm_caches("BLHNC", 12)
     counts: dict[str, float] = {}
     link = StoreLink(daemon.unix_url, timeout=5.0, retry_s=1.0, name="test", transport="shm")
-    saver = AsyncSaver(BlockIO(src, layout, device=FakeDevice(out_of_memory=True)), link,
-                       lambda **d: counts.update({k: counts.get(k, 0) + v for k, v in d.items()}), ttl=None)
+
+    def count(req_id: str | None = None, **d: float) -> None:  # the per-request records are the saver's
+        counts.update({k: counts.get(k, 0) + v for k, v in d.items()})
+
+    saver = AsyncSaver(BlockIO(src, layout, device=FakeDevice(out_of_memory=True)), link, count, ttl=None)
     try:
         saver.submit("r1", [("devio/s/1", 1), ("devio/s/2", 2)])
-        assert saver.drain(10.0) and counts == {"dropped_saves": 2}
+        # both saves dropped, and the bytes they held as pending given back
+        assert saver.drain(10.0) and counts == {"dropped_saves": 2, "save_pending_bytes": 0}
     finally:
         saver.close(5.0)
 
