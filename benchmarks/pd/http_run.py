@@ -42,13 +42,13 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.pd.compare import Source, _unique_names
+from benchmarks.pd.compare import _unique_names
 from benchmarks.pd.deployment import Arch
-from benchmarks.pd.fault import FaultSpec
 from benchmarks.pd.make_model import read_shape
 from benchmarks.pd.metrics import Slo, by_class, slo_block
 from benchmarks.pd.summary import distribution
 from benchmarks.pd.trace import Trace, TraceRequest
+from benchmarks.pd.vllm_compare import VllmCompareConfig
 from benchmarks.pd.vllm_deployment import VllmConfig
 from kvstore.router.fleet import Child, Fleet, FleetError, project_env, spawn, vllm_command, wait_http
 
@@ -63,24 +63,14 @@ ROUTER_COUNTERS = ("kvstore_router_routes_total", "kvstore_router_prefill_retrie
 
 
 @dataclass(frozen=True, slots=True)
-class HttpCompareConfig:
-    sources: tuple[Source, ...]
-    out_dir: Path
-    engine: VllmConfig
-    archs: tuple[Arch, ...] = tuple(Arch)
-    num_requests: int = 8
-    seed: int = 0
-    rate_scale: float = 1.0
-    slo: Slo = Slo(ttft_s=1.5, tpot_s=0.1)
+class HttpCompareConfig(VllmCompareConfig):
+    """The in-process comparison's settings, plus what the router adds: its admission, and each hop's timeout."""
+
     admission: str = "budget"
-    fault: FaultSpec | None = None
     request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not self.sources:
-            raise ValueError("nothing to compare: give --workloads and/or --trace")
-        if not self.archs:
-            raise ValueError("no architecture to compare")
+        VllmCompareConfig.__post_init__(self)
         if self.admission not in ("none", "budget"):
             raise ValueError(f"admission must be none or budget, got {self.admission!r}")
 
@@ -513,10 +503,8 @@ def http_compare_config(args, sources: tuple, archs: tuple[Arch, ...]) -> HttpCo
     from benchmarks.pd.vllm_cli import vllm_compare_config
 
     base = vllm_compare_config(args, sources, archs)
-    return HttpCompareConfig(sources=base.sources, out_dir=base.out_dir, engine=base.engine, archs=base.archs,
-                             num_requests=base.num_requests, seed=base.seed, rate_scale=base.rate_scale,
-                             slo=base.slo, admission=args.admission, fault=base.fault,
-                             request_timeout_s=base.engine.request_timeout_s)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    return HttpCompareConfig(**fields, admission=args.admission, request_timeout_s=base.engine.request_timeout_s)
 
 
 def main_http(cfg: HttpCompareConfig) -> int:
