@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,7 @@ from kvstore.errors import ChecksumError, KeyNotFoundError, KVStoreError, StoreC
 from kvstore.integrations.vllm.cache_layouts import PageGeometry, geometry_of
 from kvstore.integrations.vllm.device_io import CudaDevice, Device, DeviceBlocks
 from kvstore.integrations.vllm.keys import CacheLayout
+from kvstore.integrations.vllm.store_link import log
 from kvstore.layout import KVLayoutKind
 
 STAGING_BYTES = 64 << 20  # blocks are moved in chunks of at most this many bytes (at least one block)
@@ -53,6 +54,9 @@ class LoadResult:
     checksum_errors: int = 0
     missing: int = 0
     connection_lost: bool = False
+    #: keys whose bytes failed their checksum: dropped from the store after the load (see ``drop_corrupt``)
+    corrupt_keys: list[str] = field(default_factory=list)
+    corrupt_removed: int = 0
 
 
 class BlockIO:
@@ -141,6 +145,8 @@ class BlockIO:
         else:
             load = self._load_leased if self.leased_loads else self._load_staged
             failed = load(store, items, result)
+        if result.corrupt_keys and not result.connection_lost:
+            result.corrupt_removed = drop_corrupt(store, result.corrupt_keys)
         result.failed_blocks = tuple(failed)
         result.nbytes = result.loaded * self.layout.block_nbytes
         result.seconds = time.perf_counter() - start_time
@@ -159,9 +165,9 @@ class BlockIO:
                 result.connection_lost = True
                 failed.extend(b for _, b in items[start:])
                 break
-            for (_, block_id), obj in zip(chunk, objs, strict=True):
+            for (key, block_id), obj in zip(chunk, objs, strict=True):
                 if isinstance(obj, KVStoreError):
-                    self._count_failure(obj, result)
+                    self._count_failure(obj, result, key)
                     failed.append(block_id)
                     continue
                 try:
@@ -169,15 +175,16 @@ class BlockIO:
                         pages.scatter_object(obj, [block_id], self._pages, self._kernel_layout, self.verify)
                     result.loaded += 1
                 except KVStoreError as exc:
-                    self._count_failure(exc, result)
+                    self._count_failure(exc, result, key)
                     failed.append(block_id)
         store.send_releases()  # the blocks are evictable again now, not at the loader's next request
         return failed
 
     @staticmethod
-    def _count_failure(exc: KVStoreError, result: LoadResult) -> None:
+    def _count_failure(exc: KVStoreError, result: LoadResult, key: str) -> None:
         if isinstance(exc, ChecksumError):
             result.checksum_errors += 1
+            result.corrupt_keys.append(key)
         elif isinstance(exc, KeyNotFoundError):
             result.missing += 1
 
@@ -197,7 +204,7 @@ class BlockIO:
                     failed.extend(b for _, b in items[start + i:])
                     break
                 except KVStoreError as exc:
-                    self._count_failure(exc, result)
+                    self._count_failure(exc, result, key)
                     failed.append(block_id)
             self._scatter(packed, chunk, good)
             result.loaded += len(good)
@@ -211,3 +218,19 @@ class BlockIO:
         src = packed if len(good) == len(chunk) else packed[torch.tensor(good, dtype=torch.int64)].contiguous()
         ids = self._ids([chunk[i][1] for i in good])
         ops.scatter_pages(src, ids, self._pages, layout=self._kernel_layout)
+
+
+def drop_corrupt(store: KVStore, keys: Sequence[str]) -> int:
+    """Remove objects whose bytes failed their checksum, so that the next lookup misses and the blocks are
+    recomputed (and saved again) instead of being found, loaded and failed on every retry. Best effort: a key
+    replaced, leased by another reader or unreachable meanwhile stays (the scheduler also stops loading a
+    request after ``MAX_LOAD_ATTEMPTS``); returns how many were removed."""
+    removed = 0
+    for key in keys:
+        try:
+            removed += bool(store.remove(key))
+        except KVStoreError as exc:
+            log.info("kvstore: corrupt block %s stays in the store (%s: %s)", key, type(exc).__name__, exc)
+    if removed:
+        log.warning("kvstore: removed %d corrupt block(s) from the store; they are recomputed", removed)
+    return removed

@@ -196,6 +196,7 @@ class DeviceBlocks:
             except KVStoreError as exc:
                 if isinstance(exc, ChecksumError):
                     result.checksum_errors += 1
+                    result.corrupt_keys.append(key)
                 elif isinstance(exc, KeyNotFoundError):
                     result.missing += 1
                 failed.append(block_id)

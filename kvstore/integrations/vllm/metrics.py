@@ -35,6 +35,8 @@ _HELP = {
     "promised_missing_blocks": "Promised blocks missing from the store",
     "promise_layout_mismatches": "Promises made under another layout fingerprint",
     "unpinned_blocks": "Pinned hand-off blocks unpinned once the decode side loaded them",
+    "corrupt_removed": "Blocks that failed their checksum, removed from the store (recomputed)",
+    "reloads_refused": "Lookups skipped for requests whose loads kept failing (recomputed)",
 }
 
 

@@ -29,6 +29,10 @@ from kvstore.integrations.vllm.store_link import StoreLink, log
 ROOT = PROMPT_ROOT
 #: A decode request waiting for promised blocks asks the store again at most this often.
 PROMISE_POLL_S = 0.005
+#: Loads one request may try. vLLM reschedules a request whose load failed (recompute policy) and asks the
+#: connector again; a block that keeps failing (corrupt bytes the worker could not remove, a store that fails
+#: every load) must not send it round again forever: past this, the request computes its prompt.
+MAX_LOAD_ATTEMPTS = 2
 
 
 @dataclass(slots=True)
@@ -64,6 +68,7 @@ class _Request:
     promise: transfer_params.Promise | None = None
     deadline: float = 0.0          # until when a promise's missing blocks are waited for
     saves_planned: bool = False
+    load_attempts: int = 0         # loads planned for this request (a failed one is rescheduled by vLLM)
 
 
 class SchedulerSide:
@@ -128,6 +133,9 @@ class SchedulerSide:
             return 0, False
         claimable = (len(state.prompt) - 1) // self.block_size  # never the prompt's last token
         if claimable <= local:
+            return 0, False
+        if state.load_attempts >= MAX_LOAD_ATTEMPTS:
+            self.counters.reloads_refused += 1
             return 0, False
         lookup = state.lookup
         if lookup is None or lookup.local_blocks != local:
@@ -196,6 +204,7 @@ class SchedulerSide:
             digests = self._digests(state, first + n)[first:]
             state.load = list(zip(digests, state.block_ids[first:first + n], strict=True))
             self._to_load.append(request.request_id)
+            state.load_attempts += 1
             self.counters.hit_tokens += n * self.block_size
         # A producer saves its locally cached blocks too: the decode instance needs them in the store.
         skipped = first if self.role != "kv_producer" else 0
@@ -268,6 +277,18 @@ class SchedulerSide:
     def update_connector_output(self, output: Any) -> None:
         for req_id in getattr(output, "finished_sending", None) or ():
             self._held.discard(req_id)
+        invalid = getattr(output, "invalid_block_ids", None)
+        if invalid:
+            self._recompute_from(invalid)
+
+    def _recompute_from(self, invalid: set[int]) -> None:
+        """Blocks whose load failed are recomputed by vLLM: a saving instance saves them (and the ones after
+        them) again once computed, instead of counting them as done."""
+        for state in self._requests.values():
+            for i, block_id in enumerate(state.block_ids[:state.done_blocks]):
+                if block_id in invalid:
+                    state.done_blocks = i
+                    break
 
     def holds_blocks(self) -> bool:
         """Finished requests whose blocks vLLM keeps for a save in flight (the engine keeps stepping)."""

@@ -38,6 +38,8 @@ class Counters:
     promised_missing_blocks: int = 0
     promise_layout_mismatches: int = 0  # scheduler: promises made under another layout fingerprint
     unpinned_blocks: int = 0    # worker (kv_consumer): pinned hand-off blocks unpinned once loaded
+    corrupt_removed: int = 0    # worker: blocks that failed their checksum, removed from the store
+    reloads_refused: int = 0    # scheduler: lookups skipped for a request whose loads failed MAX_LOAD_ATTEMPTS times
 
     def add(self, other: Counters) -> None:
         for f in dataclasses.fields(self):

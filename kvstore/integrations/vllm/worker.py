@@ -143,7 +143,8 @@ class WorkerSide:
         if result.failed_blocks:
             self._fail_load(result.failed_blocks)
         self._count(req_id, loaded_blocks=result.loaded, load_bytes=result.nbytes, load_seconds=result.seconds,
-                    checksum_errors=result.checksum_errors, missing_blocks=result.missing)
+                    checksum_errors=result.checksum_errors, missing_blocks=result.missing,
+                    corrupt_removed=result.corrupt_removed)
         if result.checksum_errors:
             log.warning("kvstore worker: %d block(s) of request %s failed their checksum; recomputing them",
                         result.checksum_errors, req_id)

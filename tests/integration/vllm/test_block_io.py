@@ -80,6 +80,9 @@ def test_block_damaged_after_commit_fails_its_checksum(daemon, transport, leased
                                                                 (f"blockio/{transport}/b", 6)])
     assert result.failed_blocks == (5,) and result.checksum_errors == 1 and result.loaded == 1
     assert torch.equal(dst_whole[:, 6], src_whole[:, 2])
+    # the corrupt object is removed (the next lookup misses and vLLM recomputes it); the good one stays
+    assert result.corrupt_removed == 1 and result.corrupt_keys == [f"blockio/{transport}/a"]
+    assert not s.exists(f"blockio/{transport}/a") and s.exists(f"blockio/{transport}/b")
     for key in s.keys(f"blockio/{transport}/"):
         s.remove(key)
     s.close()

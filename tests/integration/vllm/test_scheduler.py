@@ -151,6 +151,30 @@ def test_loaded_blocks_are_planned_once_and_not_saved_again():
     assert again.loads == [] and again.saves == []
 
 
+def test_a_request_whose_loads_keep_failing_computes_its_prompt():
+    """vLLM reschedules a request whose load failed and asks again: a block that keeps failing (still in the
+    store, still found) must not send the request round forever. Past MAX_LOAD_ATTEMPTS loads it is a miss."""
+    from kvstore.integrations.vllm.scheduler import MAX_LOAD_ATTEMPTS
+
+    store = CountingStore()
+    prompt = list(range(3 * BS + 1))
+    put_blocks(store, prompt, 2)
+    s = side(store)
+    for attempt in range(MAX_LOAD_ATTEMPTS):  # each load "fails": vLLM frees the blocks and asks from 0 again
+        assert s.get_num_new_matched_tokens(request(prompt), 0) == (2 * BS, True), attempt
+        s.update_state_after_alloc(request(prompt), blocks([1, 2, 3, 9]), 2 * BS)
+        assert [t.block_ids for t in s.build_connector_meta(step()).loads] == [[1, 2]]
+    assert s.get_num_new_matched_tokens(request(prompt), 0) == (0, False)
+    assert s.counters.reloads_refused == 1 and store.batch_calls == MAX_LOAD_ATTEMPTS
+    # the failed blocks are recomputed: a saving instance saves them once computed
+    s.update_connector_output(SimpleNamespace(finished_sending=None, invalid_block_ids={1}))
+    s.update_state_after_alloc(request(prompt), blocks([4, 5, 6, 7]), 0)
+    meta = s.build_connector_meta(step(new=[new_req(prompt, [4, 5, 6, 7], 0)], scheduled={"r1": 3 * BS + 1}))
+    assert [t.block_ids for t in meta.saves] == [[4, 5, 6]]
+    # another request for the same prompt still loads
+    assert s.get_num_new_matched_tokens(request(prompt, rid="r2"), 0) == (2 * BS, True)
+
+
 def test_store_down_is_a_counted_miss():
     s = side(None, fail=True)
     prompt = list(range(3 * BS))

@@ -13,6 +13,8 @@ import subprocess
 
 import pytest
 
+from kvstore.errors import ChecksumError, KeyNotFoundError
+
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
@@ -147,9 +149,10 @@ def test_consumer_with_another_layout_gets_no_false_hits(other_layout_runs, chan
     assert "which differs from this instance's layout" in run.stderr  # loud at start, not a silent miss
 
 
-@pytest.mark.xfail(reason="known liveness bug: the corrupt block is detected and the request rescheduled, but the "
-                   "next lookup reports the same block as a hit again, so load/fail/reschedule repeats", strict=False)
-def test_corrupt_block_is_detected_and_recomputed(saved, engine, baseline):
+def test_corrupt_block_is_detected_removed_and_recomputed(saved, engine, baseline):
+    """A block whose bytes no longer match their checksum is a load error (recomputed), is removed from the
+    store so that vLLM's retry of the request misses instead of loading it again, and the recomputed block is
+    saved again, intact."""
     d, _ = saved
     key = block_keys(d)[0]
     with d.connect("tcp") as s:
@@ -159,10 +162,19 @@ def test_corrupt_block_is_detected_and_recomputed(saved, engine, baseline):
     try:
         run = engine.run(url=d.unix_url, hash_seed=3)
     finally:
-        flip_bytes(d.pid, address, 8)
+        with d.connect("tcp") as s:
+            try:
+                s.get(key, verify=True)
+            except ChecksumError:  # the run did not get to remove it: restore the bytes for the other tests
+                flip_bytes(d.pid, address, 8)
+            except KeyNotFoundError:
+                pass
     assert run.counters["checksum_errors"] == 1
     assert run.counters["load_errors"] >= 1
+    assert run.counters["corrupt_removed"] == 1
     assert run.tokens == baseline.tokens
+    with d.connect("tcp") as s:  # recomputed and saved again by this kv_both engine
+        assert bytes(s.get(key, verify=True)) and key in block_keys(d)
 
 
 def test_prefill_decode_through_one_daemon(engine, workdir, baseline, prompts):
