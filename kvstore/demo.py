@@ -43,7 +43,8 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="kvdemo-")
     url = f"unix://{tmp}/kv.sock"
     daemon = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--listen", url,
-                               "--capacity", "512MiB", "--log-level", "warning"])
+                               "--capacity", "512MiB", "--log-level", "warning",
+                               "--exit-with", str(os.getpid())])
     try:
         for _ in range(200):
             try:

@@ -29,7 +29,8 @@ def _serve(args: argparse.Namespace) -> int:
                           high_watermark=args.high_watermark, low_watermark=args.low_watermark,
                           relocate=not args.no_relocate, heartbeat_timeout=args.heartbeat_timeout,
                           gpu_capacity=parse_size(args.gpu_capacity),
-                          device=args.device, disk=_disk_config(args), **_limit_options(args))
+                          device=args.device, disk=_disk_config(args), exit_with=args.exit_with,
+                          **_limit_options(args))
     if args.cluster:
         from kvstore.cli.cluster import serve as serve_cluster
 
@@ -265,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,
                    help="drop a client silent this many seconds (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--exit-with", type=int, metavar="PID",
+                   help="stop gracefully (as on SIGTERM) when process PID exits: a daemon started by a supervisor, "
+                        "a serving process or a test run never outlives it")
     _add_limit_arguments(p)
     from kvstore.cli.cluster import add_serve_arguments
 

@@ -42,6 +42,9 @@ class ServerConfig:
     #: the largest frame a connection sends or takes (requests and replies): less memory per connection
     max_frame: int = wire.MAX_FRAME
     disk: DiskConfig | None = None  # the disk tier (--disk-path, --disk-capacity, --disk-policy)
+    #: stop gracefully (as on SIGTERM) when this process exits (--exit-with): a daemon owned by a supervisor,
+    #: a serving process or a test run never outlives its owner
+    exit_with: int | None = None
     endpoints: tuple[Endpoint, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -60,6 +63,9 @@ class ServerConfig:
         if self.capacity <= 0:
             raise InvalidArgumentError(f"capacity must be positive, got {self.capacity}")
         self._check_gpu()
+        if self.exit_with is not None and (isinstance(self.exit_with, bool) or not isinstance(self.exit_with, int)
+                                           or self.exit_with <= 0):
+            raise InvalidArgumentError(f"--exit-with takes a process id > 0, got {self.exit_with!r}")
         if isinstance(self.max_frame, bool) or not isinstance(self.max_frame, int) \
                 or not MIN_MAX_FRAME <= self.max_frame <= wire.MAX_FRAME:
             raise InvalidArgumentError(f"max frame must be between {MIN_MAX_FRAME} and {wire.MAX_FRAME} bytes, "

@@ -104,6 +104,7 @@ class Server:
         self._listeners: list[socket.socket] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
+        self._owner_fd: int | None = None  # a pidfd of the --exit-with process
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -130,8 +131,27 @@ class Server:
         self._spawn(self._housekeeping())
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
+        if cfg.exit_with is not None:
+            self._watch_owner(loop, cfg.exit_with)
         log.info("serving %s, capacity %d bytes, segments %s", ", ".join(map(str, cfg.endpoints)), cfg.capacity,
                  [s.name for s in self.segments.segments])
+
+    def _watch_owner(self, loop: asyncio.AbstractEventLoop, pid: int) -> None:
+        """Stop as on SIGTERM once process ``pid`` exits: its pidfd becomes readable then (no polling)."""
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            log.warning("the process this daemon should exit with (--exit-with %d) is gone: stopping", pid)
+            self.request_stop()
+            return
+        self._owner_fd = fd
+
+        def owner_exited() -> None:
+            loop.remove_reader(fd)
+            log.info("process %d (--exit-with) exited: stopping", pid)
+            self.request_stop()
+
+        loop.add_reader(fd, owner_exited)
 
     def _start_data_endpoints(self) -> None:
         for ep in self.config.endpoints:
@@ -315,6 +335,10 @@ class Server:
             if ep.scheme == "unix":
                 _remove_stale_socket(ep.path)
         self._release_memory()
+        if self._owner_fd is not None:
+            asyncio.get_running_loop().remove_reader(self._owner_fd)
+            os.close(self._owner_fd)
+            self._owner_fd = None
         log.info("stopped")
 
     # ---- master hooks -------------------------------------------------------------------------------

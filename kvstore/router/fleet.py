@@ -143,7 +143,8 @@ class Fleet:
     def daemon(self, socket_path: str, capacity: str, timeout_s: float = 60.0) -> str:
         """A ``kvstore serve`` on a Unix socket; its URL once it listens."""
         child = self.start("kvstore-serve", [sys.executable, "-m", "kvstore.cli", "serve", "--listen",
-                                             f"unix://{socket_path}", "--capacity", capacity])
+                                             f"unix://{socket_path}", "--capacity", capacity,
+                                             "--exit-with", str(os.getpid())])
         wait_file(child, socket_path, timeout_s)
         return f"unix://{socket_path}"
 

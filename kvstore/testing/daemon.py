@@ -114,14 +114,16 @@ class Daemon:
     ``args``: more serve flags (``("--gpu-capacity", "1GiB")``); ``env``: the child's whole environment
     (default :func:`project_env`); ``port``: a fixed TCP port (default: a free one, re-chosen if another
     process takes it first); ``log_path``: where its output goes (default: a file in ``workdir``);
-    ``token_file`` / ``insecure``: how its TCP listener is protected (default: :func:`process_token_file`).
+    ``token_file`` / ``insecure``: how its TCP listener is protected (default: :func:`process_token_file`);
+    ``exit_with_parent``: the daemon stops when this process exits (``--exit-with``), so a test run that is
+    killed or times out leaves no daemon behind.
     """
 
     def __init__(self, workdir: str | None = None, *, capacity: str = "64MiB", unix: bool = True,
                  tcp: bool = True, args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  log_level: str = "info", log_path: str | os.PathLike[str] | None = None, unix_path: str | None = None,
                  port: int | None = None, metrics_port: int | None = None, token_file: str | None = None,
-                 insecure: bool = False):
+                 insecure: bool = False, exit_with_parent: bool = True):
         if not (unix or tcp):
             raise ValueError("a daemon needs at least one address: unix=True or tcp=True")
         self._own_workdir = workdir is None
@@ -133,6 +135,8 @@ class Daemon:
         self.port = (port if port is not None else free_port()) if tcp else None
         self.metrics_port = metrics_port
         self.insecure = insecure
+        #: the daemon stops when this process exits (``--exit-with``), even if it is killed or times out first
+        self.exit_with_parent = exit_with_parent
         self.token_file = token_file if token_file is not None or insecure or not tcp else process_token_file()
         self.log_path = str(log_path or os.path.join(self.workdir, f"daemon-{uuid.uuid4().hex[:8]}.log"))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -185,6 +189,8 @@ class Daemon:
             cmd += ["--token-file", self.token_file]
         if self.insecure:
             cmd += ["--insecure"]
+        if self.exit_with_parent:
+            cmd += ["--exit-with", str(os.getpid())]
         return cmd + list(self.args)
 
     def start(self, timeout: float = 30.0) -> Daemon:

@@ -250,6 +250,60 @@ def test_graceful_stop_with_clients_attached(daemon_factory, sig):
         c.close()
 
 
+# ---- a daemon that exits with its owner (--exit-with) ----------------------------------------------------
+OWNER = """
+import subprocess, sys, time
+daemon = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--listen", sys.argv[1], "--capacity",
+                           "8MiB", "--exit-with", str(__import__("os").getpid())], start_new_session=True)
+print(daemon.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_daemon_exits_with_its_owner_when_the_owner_is_killed(tmp_path):
+    """``--exit-with PID``: when the owner dies (even SIGKILLed: no cleanup of its own), the daemon it started
+    stops gracefully: its socket and shared memory are removed and nothing outlives the owner."""
+    import subprocess
+    import sys
+
+    sock = tmp_path / "owned.sock"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, f"unix://{sock}"], stdout=subprocess.PIPE, text=True)
+    try:
+        daemon_pid = int(owner.stdout.readline())
+        assert wait_until(lambda: sock.exists(), 30), "the daemon did not start listening"
+        with kvstore.connect(f"unix://{sock}") as s:
+            s.put("owned/a", b"x" * 1000)
+            assert shm_segments(daemon_pid)
+        owner.kill()
+        owner.wait()
+        with no_hang("the daemon's exit after its owner's"):
+            assert wait_until(lambda: not _alive(daemon_pid), 30), "the daemon outlived its owner"
+        assert not sock.exists() and shm_segments(daemon_pid) == []
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        owner.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited (reaped by init in time)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("pid", ["0", "-3", "abc"])
+def test_exit_with_refuses_what_is_not_a_process_id(tmp_path, pid):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--listen", f"unix://{tmp_path}/x.sock",
+                          "--exit-with", pid], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "exit-with" in out.stderr
+
+
 # ---- soak: 8 processes against a nearly full daemon -------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(150)
