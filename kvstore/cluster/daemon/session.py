@@ -6,13 +6,14 @@ from a scratch copy leased to the client, so the client sees the same API and da
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
 from kvstore.core.master import Lease
 from kvstore.core.meta import ObjectMeta
 from kvstore.daemon.session import _INLINE_REPLY, Handler, Session
-from kvstore.errors import KeyExistsError, KeyNotFoundError, StoreConnectionError
+from kvstore.errors import KeyExistsError, KeyNotFoundError, KVStoreError, StoreConnectionError
 from kvstore.protocol import wire
 
 if TYPE_CHECKING:
@@ -87,6 +88,31 @@ class ClusterSession(Session):
             self.require_shm()  # before moving any bytes
         lease, meta = await self.ctx.remote.fetch(f["key"], self.client)
         return await self._serve_lease(rid, f["mode"], lease, meta)
+
+    async def op_get_regions(self, rid: int, f: dict) -> dict:
+        """``get_many`` of a plain shm client: keys this node holds are leased in place, the others copied from
+        their owners into scratch regions leased to the client (concurrently); each key gets its region or its
+        error, in order, as from a single daemon."""
+        keys = f["keys"]
+        if all(self.ctx.local(k) for k in keys):
+            return await super().op_get_regions(rid, f)
+        self.require_shm()  # before moving any bytes
+        local = [k for k in keys if self.ctx.local(k)]
+        served = (await super().op_get_regions(rid, {**f, "keys": local}))["value"] if local else []
+        by_key = dict(zip(local, served, strict=True))
+
+        async def remote(key: str) -> dict:
+            try:
+                lease, meta = await self.ctx.remote.fetch(key, self.client)
+            except KVStoreError as exc:
+                return {"error": getattr(exc, "code", "Server"), "message": str(exc)}
+            r = lease.replica
+            return {"meta": meta.to_wire(), "segment": r.segment, "offset": r.offset, "size": meta.size,
+                    "lease": lease.id}
+
+        others = [k for k in keys if k not in by_key]
+        by_key.update(zip(others, await asyncio.gather(*(remote(k) for k in others)), strict=True))
+        return self._ok(rid, value=[by_key[k] for k in keys])
 
     async def op_peer_get(self, rid: int, f: dict) -> dict | None:
         if f["key"] in self.ctx.doomed:

@@ -73,6 +73,11 @@ def test_put_on_a_get_from_b_and_c_byte_exact(cluster, reader):
         outs = [bytearray(len(v)) for v in values.values()]
         assert s.batch_get_into(list(values), outs) == [len(v) for v in values.values()]
         assert [bytes(o) for o in outs] == list(values.values())
+        got = s.get_many([*values, "x/none"])  # a plain shm client leases them all in one get_regions
+        assert [bytes(o) for o in got[:-1]] == list(values.values())
+        assert isinstance(got[-1], kvstore.KeyNotFoundError)
+        for o in got[:-1]:
+            o.release()
         assert s.batch_exists(["x/array", "x/none"]) == [True, False]
         with pytest.raises(kvstore.KeyNotFoundError):
             s.get("x/none")
