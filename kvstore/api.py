@@ -30,8 +30,8 @@ def connect(url: str | None = None, *, timeout: float = 10.0, transport: str = "
         url = default_url()
     name = registry.backend_for_url(url)
     backend = registry.backend(name)
-    if compression != "off":  # the tcp stream path of one daemon is what compresses (kvstore.client.compression)
-        if name != "remote":
+    if compression != "off":  # a tcp stream path is what compresses (kvstore.client.compression): one daemon's,
+        if name not in ("remote", "cluster"):  # or a cluster client's reads from its members
             raise InvalidArgumentError(f"compression={compression!r} is supported on a daemon's tcp:// or unix:// "
                                        f"address, not on {url}")
         return backend(url, timeout=timeout, transport=transport, token=token, client_name=client_name,

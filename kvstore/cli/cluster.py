@@ -26,6 +26,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--peer-transport", default="auto", choices=["auto", "tcp", "shm", "ucx"],
                    help="data path to other nodes: auto = shared memory on this host, else UCX where both ends "
                         "run it, else tcp")
+    g.add_argument("--peer-compression", default="off", choices=["off", "lz4", "lz4-shuffle", "auto"],
+                   help="lz4 on the tcp path of reads from other nodes: auto = only while this node measures "
+                        "that it pays (link slower than lz4 on this data, and the data compresses) "
+                        "(default %(default)s)")
     g.add_argument("--cluster-namespace", default="kvstore", help="prefix of every Redis key (default %(default)s)")
     g.add_argument("--no-directory-sync", action="store_true",
                    help="acknowledge puts before their directory entry is written (faster; a reader on another "
@@ -45,7 +49,8 @@ def cluster_config(args: argparse.Namespace, listen: tuple):
     return ClusterConfig(redis_url=args.cluster, node_id=args.node_id or socket.gethostname().split(".")[0],
                          advertise=advertise, node_ttl=args.node_ttl, peer_timeout=args.peer_timeout,
                          redis_timeout=args.redis_timeout, namespace=args.cluster_namespace,
-                         peer_transport=args.peer_transport, directory_sync=not args.no_directory_sync)
+                         peer_transport=args.peer_transport, directory_sync=not args.no_directory_sync,
+                         peer_compression=args.peer_compression)
 
 
 def serve(args: argparse.Namespace, config) -> int:

@@ -209,8 +209,10 @@ class RemoteStore(KVStore):
             fit(meta["size"])  # a zero-byte object still checks the buffer
         return meta["size"], meta["checksum"]
 
-    def _read(self, key: str, dst: Callable[[dict[str, Any]], memoryview], path: Transport) -> dict[str, Any]:
-        request = {"op": "get", "key": key}
+    def _read(self, key: str, dst: Callable[[dict[str, Any]], memoryview], path: Transport,
+              op: str = "get") -> dict[str, Any]:
+        """One read of ``key`` by ``op`` over ``path``, its payload compressed when the wire policy says so."""
+        request: dict[str, Any] = {"op": op, "key": key}
         codec = self.wire.choose() if path.on_connection else None
         if codec is not None:
             request["compress"] = codec

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from kvstore.errors import InvalidArgumentError, MissingExtraError
+from kvstore.protocol.compression import CODECS
 from kvstore.protocol.url import Endpoint
 
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
 PEER_TRANSPORTS = ("auto", "tcp", "shm", "ucx")
+COMPRESSION_MODES = ("off", "auto", *CODECS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -96,7 +98,8 @@ class ClusterConfig:
     """``node_ttl``: seconds a node record lives without a heartbeat (heartbeats every third of it);
     ``peer_timeout``: bound on one call to another daemon; ``redis_timeout``: bound on one Redis command;
     ``directory_sync``: a put's reply waits (at most ``peer_timeout``) until its directory entry is written, so
-    a reader on another node finds it as soon as the put returns."""
+    a reader on another node finds it as soon as the put returns; ``peer_compression``: lz4 on the tcp path of
+    reads from other nodes ("off", "lz4", "lz4-shuffle", "auto": only while measured to pay)."""
 
     redis_url: str
     node_id: str
@@ -107,6 +110,7 @@ class ClusterConfig:
     namespace: str = "kvstore"
     peer_transport: str = "auto"
     directory_sync: bool = True
+    peer_compression: str = "off"
 
     def __post_init__(self) -> None:
         check_redis_url(self.redis_url)
@@ -124,6 +128,9 @@ class ClusterConfig:
             raise InvalidArgumentError(f"node_ttl must be at least 0.3 s, got {self.node_ttl}")
         if self.peer_transport not in PEER_TRANSPORTS:
             raise InvalidArgumentError(f"peer transport must be one of {PEER_TRANSPORTS}, got {self.peer_transport!r}")
+        if self.peer_compression not in COMPRESSION_MODES:
+            raise InvalidArgumentError(f"peer compression must be one of {list(COMPRESSION_MODES)}, got "
+                                       f"{self.peer_compression!r}")
 
     @property
     def names(self) -> Names:

@@ -23,13 +23,13 @@ from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta
 from kvstore.core.value import KVObject, Payload
 from kvstore.errors import AuthenticationError, StoreConnectionError, TransportError
-from kvstore.transports.base import TransportFailure
 
 
 class NodeClient(RemoteStore):
     def __init__(self, node: str, epoch: str, addr: str, read_timeout: float | None = None, **options):
         self.node, self.epoch, self.read_timeout = node, epoch, read_timeout
         self.expected_node = node  # the daemon at addr must prove it is this node (and knows the token)
+        self.last_codec: str | None = None  # how the last fetch_into's payload came (None: uncompressed)
         super().__init__(addr, **options)
 
     def read_index(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int, int] | None:
@@ -55,13 +55,13 @@ class NodeClient(RemoteStore):
                 return expect.meta
         try:
             with self._conn.bounded(self.read_timeout):  # a stalled owner costs the peer timeout, not more
-                reply = self._data.get_into(self._conn, {"op": "peer_get", "key": key},
-                                            lambda r: alloc(r["meta"]["size"]))
-        except TransportFailure as exc:
-            raise TransportError(f"get of {key!r} from node {self.node} failed on the {self.transport} path: "
-                                 f"{exc}") from None
+                # over tcp the payload comes as lz4 frames when this connection's wire policy says it pays
+                reply = self._read(key, lambda r: alloc(r["meta"]["size"]), self._data, op="peer_get")
+        except TransportError as exc:
+            raise TransportError(f"node {self.node}: {exc}") from None
+        self.last_codec = reply.get("codec")
         meta = ObjectMeta.from_wire(reply["meta"])
-        if not reply.get("stream") and "segment" not in reply:
+        if not reply.get("stream") and not reply.get("frames") and "segment" not in reply:
             alloc(meta.size)  # a zero-byte object still checks the buffer
         if expect is not None and meta.version == expect.version:
             # the version the directory lists: ``verify`` checks the bytes against the directory's checksum, not
@@ -108,10 +108,13 @@ class PeerPool:
     rest of its boot epoch: skipped by reads and writes, and listed by ``refusals()`` for the operator."""
 
     def __init__(self, *, transport: str, timeout: float, token: str | None, client_name: str,
-                 suspect_s: float | None = None, idle_per_node: int = 4, read_timeout: float | None = None):
-        """``timeout`` bounds every call to a member; ``read_timeout`` (shorter) the reads of its objects."""
+                 suspect_s: float | None = None, idle_per_node: int = 4, read_timeout: float | None = None,
+                 compression: str = "off"):
+        """``timeout`` bounds every call to a member; ``read_timeout`` (shorter) the reads of its objects;
+        ``compression``: the tcp path's wire policy for reads of members' objects (kvstore.client.compression),
+        per pooled connection."""
         self.options = dict(transport=transport, timeout=timeout, token=token, client_name=client_name,
-                            read_timeout=read_timeout)
+                            read_timeout=read_timeout, compression=compression)
         self.suspect_s = suspect_s or timeout
         self.idle_per_node = idle_per_node
         self._idle: dict[tuple[str, str], list[NodeClient]] = {}

@@ -122,7 +122,7 @@ def _replicas(value: Any) -> int:
 class ClusterStore(KVStore):
     def __init__(self, url: str, *, timeout: float = 10.0, transport: str = "auto", token: str | None = None,
                  client_name: str = "", node: str | None = None, placement: str | Placement | None = None,
-                 replicas: int | None = None, peer_timeout: float | None = None):
+                 replicas: int | None = None, peer_timeout: float | None = None, compression: str = "off"):
         opts = ClusterURL.parse(url)
         self.node = check_name(node, "node") if node is not None else opts.node
         self.placement = _placement(placement) if placement is not None else opts.placement
@@ -138,7 +138,7 @@ class ClusterStore(KVStore):
             peer_timeout = _seconds(peer_timeout, "peer_timeout")
         self.peer_timeout = peer_timeout or opts.peer_timeout or min(timeout, 5.0)
         self.pool = PeerPool(transport=transport, timeout=timeout, read_timeout=self.peer_timeout, token=token,
-                             client_name=client_name or f"pid-{os.getpid()}")
+                             client_name=client_name or f"pid-{os.getpid()}", compression=compression)
         self._lock = threading.Lock()
         self._members: dict[str, NodeRecord] = {}
         self._members_at = -math.inf

@@ -60,7 +60,8 @@ class ClusterServer(Server):
         self.members: dict[str, NodeRecord] = {}
         self.remote = RemoteReader(self, PeerPool(transport=cluster.peer_transport, timeout=cluster.peer_timeout,
                                                   token=config.token, client_name=f"node-{cluster.node_id}",
-                                                  suspect_s=cluster.node_ttl))
+                                                  suspect_s=cluster.node_ttl,
+                                                  compression=cluster.peer_compression))
         self._beat_task: asyncio.Task | None = None
         self._last_beat_try = -math.inf
         self._reconcile_due = False  # events may have been missed: check our entries after the next good beat
@@ -420,5 +421,6 @@ class ClusterServer(Server):
                           "flush_p50_ms": round(1e3 * flush[len(flush) // 2], 3) if flush else None,
                           "flush_p99_ms": round(1e3 * flush[int(len(flush) * 0.99)], 3) if flush else None},
             "remote_gets": self.remote.gets, "remote_misses": self.remote.misses,
+            "remote_compressed_gets": self.remote.compressed_gets, "peer_compression": self.cluster.peer_compression,
             "refused": self.remote.peers.refusals(), **self.counters}
         return out

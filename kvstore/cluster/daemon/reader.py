@@ -42,7 +42,7 @@ class RemoteReader:
         self.ctx, self.peers = ctx, peers
         self.scratch: set[int] = set()  # replica ids of scratch copies (the master hooks skip them)
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-peer")
-        self.gets = self.misses = 0
+        self.gets = self.misses = self.compressed_gets = 0
         self._met: set[tuple[str, str]] = set()  # (node, epoch) that passed the handshake
 
     async def probe(self, members: dict) -> None:
@@ -154,7 +154,10 @@ class RemoteReader:
             return view
 
         with self.peers.use(entry.node, entry.epoch, entry.addr) as peer:
-            return peer.fetch_into(key, alloc, entry)
+            meta = peer.fetch_into(key, alloc, entry)
+            if peer.last_codec is not None:
+                self.compressed_gets += 1  # under the GIL; read only by stats
+            return meta
 
     async def evict(self, entry: Entry, key: str) -> bool:
         """Ask the owner named by ``entry`` to evict its own copy of ``key``."""

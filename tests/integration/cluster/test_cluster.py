@@ -52,6 +52,38 @@ SIZES = [0, 1, 4096, (1 << 20) + 13]
 
 
 # ---- data path ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["lz4", "lz4-shuffle"])
+def test_reads_from_other_nodes_come_compressed_with_peer_compression(mode):
+    """``--peer-compression``: B reads A's objects as lz4 frames over the node-to-node tcp path, byte-exact,
+    compressible or not, and a reader's checksum check still holds."""
+    workdir = short_tmpdir()
+    c = Cluster(workdir, names="AB", args=("--peer-transport", "tcp", "--peer-compression", mode))
+    try:
+        a = c.client("A")
+        kv = np.tile(np.arange(4096, dtype=np.float16), 128)  # 1 MiB of KV-like 2-byte values: compresses
+        noise = np.random.default_rng(7).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()  # does not
+        a.put("z/kv", kv)
+        a.put("z/noise", noise)
+        a.put("z/small", b"s" * 100)  # below the codec's minimum: sent raw
+        for transport in ("shm", "tcp"):
+            b = c.daemon_client("B", transport)
+            assert np.array_equal(b.get("z/kv", verify=True).numpy(), kv)
+            assert bytes(b.get("z/noise", verify=True)) == noise
+            assert bytes(b.get("z/small")) == b"s" * 100
+            b.close()
+        # a cluster client's own reads from the members
+        with kvstore.connect(c.url + "?node=B", compression=mode, timeout=PEER_TIMEOUT * 5) as reader:
+            assert np.array_equal(reader.get("z/kv", verify=True).numpy(), kv)
+            assert bytes(reader.get("z/noise", verify=True)) == noise
+        stats = c.daemon_client("B").stats()["cluster"]
+        assert stats["peer_compression"] == mode
+        assert stats["remote_compressed_gets"] >= 4  # the two large objects, read twice
+        assert stats["remote_gets"] >= 6
+    finally:
+        c.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 @pytest.mark.parametrize("reader", ["cluster", "daemon-shm", "daemon-tcp"])
 def test_put_on_a_get_from_b_and_c_byte_exact(cluster, reader):
     a = cluster.client("A")
@@ -375,7 +407,7 @@ def test_cluster_urls_and_config_validation():
     ok = dict(redis_url="redis://h:1/0", node_id="n1", advertise="tcp://10.0.0.1:7000")
     ClusterConfig(**ok)
     for change in ({"advertise": "unix:///tmp/x"}, {"node_id": "has space"}, {"node_ttl": 0.1},
-                   {"redis_url": "http://h"}, {"peer_transport": "carrier-pigeon"},
+                   {"redis_url": "http://h"}, {"peer_transport": "carrier-pigeon"}, {"peer_compression": "zstd"},
                    {"redis_url": "redis+sentinel://s1:26379"}):
         with pytest.raises(kvstore.InvalidArgumentError):
             ClusterConfig(**{**ok, **change})
