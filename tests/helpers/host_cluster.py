@@ -32,6 +32,7 @@ class ClusterFleet(Fleet):
     redis: subprocess.Popen
     node_ttl: float = NODE_TTL
     peer_timeout: float = PEER_TIMEOUT
+    ucx: bool = False  # each node also listens on ucx://<its link address>:7071 and reads peers over UCX
 
     def redis_url(self) -> str:
         return f"redis://{self.link.address(self.a)}:{REDIS_PORT}/0"
@@ -49,6 +50,8 @@ class ClusterFleet(Fleet):
                "--cluster", self.redis_url(), "--node-id", f"n{host.name}", "--advertise", addr,
                "--node-ttl", str(self.node_ttl), "--peer-timeout", str(self.peer_timeout), "--redis-timeout",
                str(REDIS_TIMEOUT), "--transfer-timeout", "2"]
+        if self.ucx:
+            cmd += ["--listen", f"ucx://{self.link.address(host)}:7071", "--peer-transport", "ucx"]
         with open(host.path("/tmp/daemon.log"), "ab") as log:
             self.daemons[host.name] = host.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env())
         deadline = time.monotonic() + 60
@@ -80,12 +83,13 @@ class ClusterFleet(Fleet):
 
 
 @contextlib.contextmanager
-def cluster_fleet(node_ttl: float = NODE_TTL, peer_timeout: float = PEER_TIMEOUT) -> Iterator[ClusterFleet]:
+def cluster_fleet(node_ttl: float = NODE_TTL, peer_timeout: float = PEER_TIMEOUT,
+                  ucx: bool = False) -> Iterator[ClusterFleet]:
     """Hosts a and b (1 Gbit/s link), one token on both, Redis and node ``na`` on a, node ``nb`` on b; all removed
     at exit. Skips (pytest) where namespaces cannot be made."""
     with token_hosts() as hosts:
         fleet = ClusterFleet(hosts, hosts.link("a", "b"))
-        fleet.daemons, fleet.node_ttl, fleet.peer_timeout = {}, node_ttl, peer_timeout
+        fleet.daemons, fleet.node_ttl, fleet.peer_timeout, fleet.ucx = {}, node_ttl, peer_timeout, ucx
         fleet.start_redis()
         fleet.start_node(fleet.a)
         fleet.start_node(fleet.b)
