@@ -311,12 +311,7 @@ class Connection:
     def _fill(self, sock: socket.socket, n: int) -> None:
         if self._end - self._start >= n:
             return
-        if len(self._buf) - self._start < n:
-            keep = bytes(self._buf[self._start:self._end])
-            if len(self._buf) < n:
-                self._buf = bytearray(max(n, 2 * len(self._buf)))
-            self._buf[:len(keep)] = keep
-            self._start, self._end = 0, len(keep)
+        self._buf, self._start, self._end = wire.make_room(self._buf, self._start, self._end, n)
         view = memoryview(self._buf)
         while self._end - self._start < n:
             got = sock.recv_into(view[self._end:])
