@@ -100,7 +100,7 @@ def _as_packed(packed, layout: KVLayout, block_ids, writable: bool) -> torch.Ten
     return packed_view(packed, layout, count)
 
 
-def gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor, *,
+def gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor | memoryview, *,
                  layout: KVLayout, checksum: bool = False):
     """Copy blocks ``block_ids`` of every layer into ``out`` and return ``out``.
 
@@ -121,7 +121,7 @@ def gather_pages(kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out
     return out
 
 
-def scatter_pages(src: torch.Tensor, block_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor], *,
+def scatter_pages(src: torch.Tensor | memoryview, block_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor], *,
                   layout: KVLayout, expect_checksum: int | None = None) -> None:
     """Copy the packed ``src`` into blocks ``block_ids`` of every layer's cache (in place).
 

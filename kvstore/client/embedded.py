@@ -108,7 +108,7 @@ class EmbeddedStore(KVStore):
                 dst = self._region(replicas[-1])
                 digest.copy_into(dst)  # one pass: each piece hashed while in cache
                 dst.release()
-            checksums = [digest() for digest in digests]
+            checksums: list[int | None] = [digest() for digest in digests]
         except BaseException:
             with self._lock:
                 for replica in replicas:
@@ -123,7 +123,7 @@ class EmbeddedStore(KVStore):
                                           ephemeral=flags.ephemeral)
         return replica.id, self._region(replica)
 
-    def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int]
+    def _commit_reserved(self, handles: list[Any], metas: list[ObjectMeta], checksums: list[int | None]
                          ) -> list[ObjectMeta]:
         with self._lock:
             return [r.meta for r in self._m().commit_many(list(handles), list(checksums))]
@@ -238,20 +238,21 @@ class EmbeddedStore(KVStore):
             keys = self._m().keys(prefix)
             return keys if self._disk is None else sorted(set(keys).union(self._disk.keys(prefix)))
 
-    def _inspect(self, key: str) -> dict:
+    def _inspect(self, key: str) -> dict[str, Any]:
         with self._lock:
             try:
                 return {**describe_replica(self._m().lookup(key), self._m().clock()), "tier": "host"}
             except KeyNotFoundError:
                 if self._disk is None:
                     raise
-                return describe_disk_object(self._disk_object(key))
+                _, obj = self._disk_object(key)
+                return describe_disk_object(obj)
 
     def device_memory(self) -> StagedDeviceMemory:
         """Device values move through a host buffer (this store holds host memory only)."""
         return StagedDeviceMemory(self._put_many, self._get_into)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         with self._lock:
             out = self._m().stats()
             if self._tiering is not None:
@@ -270,33 +271,38 @@ class EmbeddedStore(KVStore):
         self._segments.close()
 
     # ---- the disk tier ------------------------------------------------------------------------------
-    def _disk_object(self, key: str) -> DiskObject:
-        obj = self._disk.get(key) if self._disk is not None else None
-        if obj is None:
+    def _disk_object(self, key: str) -> tuple[DiskTier, DiskObject]:
+        """The disk tier and its object under ``key``; KeyNotFoundError when there is neither."""
+        disk = self._disk
+        obj = disk.get(key) if disk is not None else None
+        if disk is None or obj is None:
             raise KeyNotFoundError(f"key {key!r} not found")
-        return obj
+        return disk, obj
 
     def _disk_get(self, key: str) -> KVObject:
-        obj = self._disk_object(key)
+        disk, obj = self._disk_object(key)
         buf = bytearray(obj.size)
-        self._disk.read_into(obj, memoryview(buf))
+        disk.read_into(obj, memoryview(buf))
         return KVObject.wrap(buf, decode_meta(obj.meta))
 
     def _disk_get_into(self, key: str, fit: Callable[[int], memoryview]) -> tuple[int, int | None]:
         """Read a disk object into the caller's buffer (no promotion): through a scratch buffer, so that a copy
         found corrupted (DiskReadError) leaves the caller's buffer as it was."""
-        obj = self._disk_object(key)
+        disk, obj = self._disk_object(key)
         dst = fit(obj.size)
         scratch = bytearray(obj.size)
-        self._disk.read_into(obj, memoryview(scratch))
+        disk.read_into(obj, memoryview(scratch))
         dst[:obj.size] = scratch
         return obj.size, decode_meta(obj.meta).checksum
 
     def _promote(self, key: str, *, force: bool) -> bool:
         """Copy a disk object into memory when the promotion policy says so (or ``force``); False when it
         stays on disk only (not wanted yet, or it does not fit in memory)."""
-        obj = self._disk_object(key)
-        if not force and not self._disk.wants_promotion(key):
+        tiering = self._tiering
+        if tiering is None:
+            return False  # no disk tier (the callers ask only when there is one)
+        disk, obj = self._disk_object(key)
+        if not force and not disk.wants_promotion(key):
             return False
         meta = promotion_meta(obj.meta)
         with self._lock:
@@ -308,23 +314,23 @@ class EmbeddedStore(KVStore):
                 return False
         try:
             region = self._region(replica)
-            self._disk.read_into(obj, region)
+            disk.read_into(obj, region)
             region.release()
         except BaseException:
             with self._lock:
                 self._master.abort(replica.id)
             raise
         with self._lock:
-            if not self._disk.is_current(obj):
+            if not disk.is_current(obj):
                 # removed, or superseded by a newer put, while it was being read: committing it now would bring
                 # back a removed key with its older bytes. The caller looks again.
                 self._master.abort(replica.id)
                 return True
-            self._tiering.promoting(replica.id, obj)
+            tiering.promoting(replica.id, obj)
             try:
                 self._m().commit(replica.id, meta.checksum)
             except KeyExistsError:
-                self._tiering.aborted(replica.id)
+                tiering.aborted(replica.id)
         return True
 
 
@@ -336,5 +342,5 @@ def _open_disk(path: str | None, capacity: int | str | None, policy: str | DiskP
         return None
     if capacity is None:
         raise ValueError(f"disk_path={path!r} needs a disk_capacity")
-    return DiskTier(DiskConfig(path, parse_size(capacity), policy, promote_after))
+    return DiskTier(DiskConfig(path, parse_size(capacity), DiskPolicy.parse(policy), promote_after))
 

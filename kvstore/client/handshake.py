@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.client.rpc import Connection
+from kvstore.client.rpc import Caller
 from kvstore.errors import AuthenticationError
 from kvstore.protocol import credentials
 
 
-def say_hello(conn: Connection, token: str | None, fields: dict[str, Any], node: str | None = None
+def say_hello(conn: Caller, token: str | None, fields: dict[str, Any], node: str | None = None
               ) -> dict[str, Any]:
     """Authenticate ``conn`` and send ``hello`` with ``fields``; the daemon's hello reply.
 

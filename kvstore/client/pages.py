@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvstore.client.reservation import Reservation
     from kvstore.client.store import KVStore
     from kvstore.core.meta import ObjectMeta
+    from kvstore.core.value import KVObject
 
 
 def block_tensor(block_ids: Any, device: Any) -> torch.Tensor:
@@ -38,7 +39,7 @@ def block_tensor(block_ids: Any, device: Any) -> torch.Tensor:
 
 
 def add_pages(batch: Reservation, key: str, kv_caches: Sequence[torch.Tensor], block_ids: Any,
-              layout: KVLayout, meta: dict | None = None) -> ObjectMeta | None:
+              layout: KVLayout, meta: dict[str, Any] | None = None) -> ObjectMeta | None:
     """Reserve ``key`` in ``batch`` and gather the blocks into it; returns nothing (commit publishes)."""
     from kvstore import ops
 
@@ -58,7 +59,7 @@ def add_pages(batch: Reservation, key: str, kv_caches: Sequence[torch.Tensor], b
 
 
 def put_pages(store: KVStore, items: Sequence[tuple[str, Any]], kv_caches: Sequence[torch.Tensor],
-              layout: KVLayout, ttl: float | None, ephemeral: bool, meta: dict | None) -> list[ObjectMeta]:
+              layout: KVLayout, ttl: float | None, ephemeral: bool, meta: dict[str, Any] | None) -> list[ObjectMeta]:
     with store.reservation(ttl=ttl, ephemeral=ephemeral) as batch:
         for key, block_ids in items:
             add_pages(batch, key, kv_caches, block_ids, layout, meta)
@@ -90,7 +91,7 @@ def get_pages(store: KVStore, items: Sequence[tuple[str, Any]], kv_caches: Seque
     return total
 
 
-def scatter_object(obj: Any, block_ids: Any, kv_caches: Sequence[torch.Tensor], layout: KVLayout,
+def scatter_object(obj: KVObject, block_ids: Any, kv_caches: Sequence[torch.Tensor], layout: KVLayout,
                    verify: bool) -> int:
     """Scatter one stored object (held by the caller) into blocks ``block_ids``; returns its bytes. Checked
     (and, with ``verify``, its checksum) before any byte reaches the caches."""

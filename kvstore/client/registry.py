@@ -9,6 +9,7 @@ and class name, like vLLM's connector factory), ``backend_for_url`` picks one by
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvstore.errors import InvalidArgumentError
@@ -37,13 +38,14 @@ def register_backend(name: str, module: str, attr: str, *, schemes: tuple[str, .
         _SCHEMES[scheme] = name
 
 
-def backend(name: str) -> type[KVStore]:
-    """The backend class registered as ``name`` (imported now)."""
+def backend(name: str) -> Callable[..., KVStore]:
+    """The backend class registered as ``name`` (imported now); its constructor's arguments are the backend's
+    own (a capacity for ``embedded``, a URL and connection options for ``remote`` and ``cluster``)."""
     try:
         module, attr = _BACKENDS[name]
     except KeyError:
         raise InvalidArgumentError(f"unknown store backend {name!r}; known: {sorted(_BACKENDS)}") from None
-    cls: type[KVStore] = getattr(importlib.import_module(module), attr)
+    cls: Callable[..., KVStore] = getattr(importlib.import_module(module), attr)
     return cls
 
 

@@ -8,6 +8,7 @@ while the member runs and has re-checked its entries since it last stopped: ``kv
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -21,7 +22,7 @@ from kvstore.client.arena import ArenaWriter
 from kvstore.client.compression import WirePolicy
 from kvstore.client.device import DirectDeviceMemory
 from kvstore.client.handshake import say_hello
-from kvstore.client.rpc import Connection
+from kvstore.client.rpc import Caller, Connection
 from kvstore.client.store import KVStore, PutFlags
 from kvstore.core.digest import Digest
 from kvstore.core.meta import ObjectMeta
@@ -136,7 +137,7 @@ class RemoteStore(KVStore):
         return {"client": name, "transport": transport, "host": host_id(), "pid": os.getpid(),
                 "transports": transports.names()}
 
-    def _reauth(self, channel: Connection) -> None:
+    def _reauth(self, channel: Caller) -> None:
         """A failure (a timed-out call) closed the control connection: say hello again on the new one. Only to
         the same daemon (generation) on the same data path: the mapped segments and the index stay valid. What
         the old connection held (leases, pending puts, arenas) the daemon revoked with it."""
@@ -294,7 +295,7 @@ class RemoteStore(KVStore):
                 out.append(TransportError(f"object {key!r}: cannot map its region ({exc})"))
                 continue
             out.append(KVObject.wrap(region, ObjectMeta.from_wire(reply["meta"]),
-                                     on_release=lambda lease=lease: self._conn.queue_release(lease)))
+                                     on_release=functools.partial(self._conn.queue_release, lease)))
         return out
 
     def _lease(self, key: str) -> tuple[Any, ObjectMeta]:

@@ -17,6 +17,7 @@ refuses a checksum they do not match (``ChecksumError``, nothing of the batch vi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from kvstore.client.staging import Staged
@@ -45,7 +46,7 @@ class Reservation:
         self._done = False
         self.committed: list[ObjectMeta] = []  # after commit: the objects' metadata
 
-    def add(self, key: str, nbytes: int, *, meta: dict | None = None, kind: str = "bytes",
+    def add(self, key: str, nbytes: int, *, meta: dict[str, Any] | None = None, kind: str = "bytes",
             dtype: str | None = None, shape: tuple[int, ...] | None = None) -> memoryview:
         """Reserve ``nbytes`` for ``key`` now (StoreFullError, KeyExistsError… here, nothing else changes) and
         return its writable byte view. ``kind``/``dtype``/``shape`` describe the value for readers."""
@@ -124,7 +125,8 @@ class Reservation:
     def __enter__(self) -> Reservation:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is None:
             self.commit()
         else:

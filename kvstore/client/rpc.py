@@ -18,7 +18,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.errors import (
     ChecksumError,
@@ -36,6 +36,24 @@ from kvstore.transports.sockets import tune
 
 _BUFFER = 64 << 10
 
+Message = dict[str, Any]  # a request to the daemon, or its reply
+#: where the bytes a reply announces (``stream`` or ``frames``) land: ``into(reply)`` gives the view to fill
+Into = Callable[[Message], memoryview]
+
+
+class Caller(Protocol):
+    """What a call needs of a connection: a :class:`Connection`, or the stand-in re-authentication gets while
+    the connection's lock is held (``reconnects_with``)."""
+
+    @property
+    def endpoint(self) -> Endpoint: ...
+
+    def call(self, request: Message, payload: memoryview | None = None, into: Into | None = None,
+             timeout: float | None = None) -> Message: ...
+
+
+#: re-authentication of a fresh socket (``Connection.reconnects_with``): a bound method of the connection's owner
+Reauth = Callable[[Caller], None]
 
 MAX_TIMEOUT = 86400.0 * 365  # seconds; past what the platform's time_t takes, settimeout overflows
 
@@ -49,7 +67,7 @@ class Connection:
         self._buf = bytearray(_BUFFER)
         self._start = self._end = 0
         self._releases: collections.deque[int] = collections.deque()
-        self._reauth: weakref.WeakMethod | None = None
+        self._reauth: weakref.WeakMethod[Reauth] | None = None
         self._closed_by_user = False
         self.reconnects = 0
         self._lz4_scratch: memoryview | None = None
@@ -57,7 +75,7 @@ class Connection:
         self.max_frame = wire.MAX_FRAME  # the daemon's (its hello says): larger requests are refused unsent
         self._sock: socket.socket | None = self._open()
 
-    def reconnects_with(self, reauth: Callable[[Any], None]) -> None:
+    def reconnects_with(self, reauth: Reauth) -> None:
         """After a failure closed this connection, the next call opens a new socket and runs ``reauth(channel)``
         on it first (``channel.call`` and ``channel.endpoint``, as on a Connection). ``reauth`` is a bound method,
         held weakly (the client that owns this connection)."""
@@ -145,12 +163,12 @@ class Connection:
         raise StoreConnectionError(f"lost connection to {self.endpoint}: {gone}")
 
     # ---- Channel ------------------------------------------------------------------------------------
-    def call(self, request: dict, payload: memoryview | None = None,
-             into: Callable[[dict], memoryview] | None = None, timeout: float | None = None) -> dict:
+    def call(self, request: Message, payload: memoryview | None = None, into: Into | None = None,
+             timeout: float | None = None) -> Message:
         with self._lock:
             return self._call_locked(request, payload, into, timeout)
 
-    def try_call(self, request: dict) -> bool:
+    def try_call(self, request: Message) -> bool:
         """Send ``request`` only if nobody else is using the connection now (heartbeats)."""
         if not self._lock.acquire(blocking=False):
             return False
@@ -164,7 +182,8 @@ class Connection:
     def queue_release(self, lease: int) -> None:
         self._releases.append(lease)
 
-    def _call_locked(self, request: dict, payload, into, timeout) -> dict:
+    def _call_locked(self, request: Message, payload: memoryview | None, into: Into | None,
+                     timeout: float | None) -> Message:
         sock = self._sock
         if sock is None:
             sock = self._reopen_locked()
@@ -225,7 +244,7 @@ class Connection:
             sock.sendall(wire.encode({"v": wire.VERSION, "id": next(self._ids), "op": "release",
                                       "lease": lease, "noreply": True}))
 
-    def _receive_stream(self, sock: socket.socket, reply: dict, into) -> None:
+    def _receive_stream(self, sock: socket.socket, reply: Message, into: Into | None) -> None:
         size = reply["stream"]
         try:
             dst = into(reply) if into is not None else None
@@ -246,7 +265,7 @@ class Connection:
             sock.sendall(body)
         self.last_wire_bytes = encoder.wire_bytes
 
-    def _receive_frames(self, sock: socket.socket, reply: dict, into) -> None:
+    def _receive_frames(self, sock: socket.socket, reply: Message, into: Into | None) -> None:
         """Decode the frames of a ``frames: size`` reply into ``into(reply)``, checking each. A corrupted frame
         raises ChecksumError after the rest are read (the connection stays in step; the buffer holds undefined
         bytes); a bad header raises ProtocolError and closes the connection."""
@@ -268,7 +287,7 @@ class Connection:
                 self._close_locked()
                 raise
             wire_bytes += len(header) + frame.wire_len
-            if error is not None:
+            if error is not None or dst is None:  # (no dst: error says why)
                 self._skip(sock, frame.wire_len)
             else:
                 target = dst[pos:pos + frame.raw_len]
@@ -292,12 +311,7 @@ class Connection:
     def _fill(self, sock: socket.socket, n: int) -> None:
         if self._end - self._start >= n:
             return
-        if len(self._buf) - self._start < n:
-            keep = bytes(self._buf[self._start:self._end])
-            if len(self._buf) < n:
-                self._buf = bytearray(max(n, 2 * len(self._buf)))
-            self._buf[:len(keep)] = keep
-            self._start, self._end = 0, len(keep)
+        self._buf, self._start, self._end = wire.make_room(self._buf, self._start, self._end, n)
         view = memoryview(self._buf)
         while self._end - self._start < n:
             got = sock.recv_into(view[self._end:])
@@ -305,7 +319,7 @@ class Connection:
                 raise ConnectionResetError("daemon closed the connection")
             self._end += got
 
-    def _read_frame(self, sock: socket.socket) -> dict:
+    def _read_frame(self, sock: socket.socket) -> Message:
         self._fill(sock, 4)
         n = wire.frame_length(self._buf[self._start:self._start + 4])
         self._fill(sock, 4 + n)
@@ -356,5 +370,6 @@ class _Unlocked:
     def __init__(self, conn: Connection):
         self._conn, self.endpoint = conn, conn.endpoint
 
-    def call(self, request: dict, payload: memoryview | None = None, into=None, timeout: float | None = None) -> dict:
+    def call(self, request: Message, payload: memoryview | None = None, into: Into | None = None,
+             timeout: float | None = None) -> Message:
         return self._conn._call_locked(request, payload, into, timeout)

@@ -59,7 +59,7 @@ class KVStore(ABC):
         self.close()
 
     # ---- writes -------------------------------------------------------------------------------------
-    def put(self, key: str, value: Any, meta: dict | None = None, ttl: float | None = None, *,
+    def put(self, key: str, value: Any, meta: dict[str, Any] | None = None, ttl: float | None = None, *,
             if_absent: bool = False, pin: bool = False, ephemeral: bool = False) -> ObjectMeta:
         """Store ``value`` (bytes-like, numpy array or torch CPU tensor) under ``key``.
 
@@ -74,13 +74,14 @@ class KVStore(ABC):
         object_meta, payload = self._prepare(key, value, meta, ttl)
         return self._put(object_meta, payload, Digest(payload.view), flags=flags)
 
-    def _prepare(self, key: str, value: Any, meta: dict | None, ttl: float | None) -> tuple[ObjectMeta, Payload]:
+    def _prepare(self, key: str, value: Any, meta: dict[str, Any] | None, ttl: float | None
+                 ) -> tuple[ObjectMeta, Payload]:
         payload = as_payload(value)
         return ObjectMeta(key=validate_key(key), size=len(payload.view), kind=payload.kind, dtype=payload.dtype,
                           shape=payload.shape, producer=self.producer, ttl=validate_ttl(ttl),
                           user=validate_user_meta(meta)), payload
 
-    def _prepare_device(self, key: str, value: Any, meta: dict | None, ttl: float | None
+    def _prepare_device(self, key: str, value: Any, meta: dict[str, Any] | None, ttl: float | None
                         ) -> tuple[ObjectMeta, Payload]:
         base, _ = self._prepare(key, b"", meta, ttl)  # validates key, ttl and user meta
         payload = gpu.device_payload(value)
@@ -106,7 +107,7 @@ class KVStore(ABC):
 
     # ---- writes in place ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def reserve(self, key: str, nbytes: int, meta: dict | None = None, ttl: float | None = None, *,
+    def reserve(self, key: str, nbytes: int, meta: dict[str, Any] | None = None, ttl: float | None = None, *,
                 ephemeral: bool = False) -> Iterator[memoryview]:
         """Reserve ``nbytes`` for ``key`` and yield a writable, C-contiguous byte view to fill; the object is
         committed (visible atomically) when the block exits, aborted (nothing visible, space freed) if it
@@ -120,7 +121,7 @@ class KVStore(ABC):
 
     @contextlib.contextmanager
     def batch_reserve(self, items: Iterable[tuple[str, int]], ttl: float | None = None, *,
-                      ephemeral: bool = False, metas: Sequence[dict | None] | None = None
+                      ephemeral: bool = False, metas: Sequence[dict[str, Any] | None] | None = None
                       ) -> Iterator[list[memoryview]]:
         """Reserve several objects and yield their views; all of them commit together at exit (in order),
         or none does (an exception inside, a failed commit, this process dying)."""
@@ -143,7 +144,7 @@ class KVStore(ABC):
 
     # ---- paged KV -----------------------------------------------------------------------------------
     def put_pages(self, key: str, kv_caches: Sequence[Any], block_ids: Any, *, layout: KVLayout,
-                  meta: dict | None = None, ttl: float | None = None, ephemeral: bool = False) -> ObjectMeta:
+                  meta: dict[str, Any] | None = None, ttl: float | None = None, ephemeral: bool = False) -> ObjectMeta:
         """Store blocks ``block_ids`` of every layer's cache as one packed object (``ops.packed_shape(layout,
         len(block_ids))``), gathered straight into the store's memory where it is mapped (one copy).
         Block ids must be integers (TypeError otherwise); layout errors are raised before anything is
@@ -152,7 +153,7 @@ class KVStore(ABC):
                                     ephemeral=ephemeral)[0]
 
     def batch_put_pages(self, items: Sequence[tuple[str, Any]], kv_caches: Sequence[Any], *, layout: KVLayout,
-                        meta: dict | None = None, ttl: float | None = None, ephemeral: bool = False
+                        meta: dict[str, Any] | None = None, ttl: float | None = None, ephemeral: bool = False
                         ) -> list[ObjectMeta]:
         """Several packed objects (key, block ids) of the same caches, committed all or nothing."""
         return pages.put_pages(self, items, kv_caches, layout, ttl, ephemeral, meta)
@@ -290,7 +291,7 @@ class KVStore(ABC):
             raise InvalidArgumentError("touch needs a ttl (seconds), got None")
         return self._touch(keys, seconds) if keys else []
 
-    def inspect(self, key: str) -> dict:
+    def inspect(self, key: str) -> dict[str, Any]:
         """Size, dtype/shape, checksum, state, leases, age, TTL, segment and offset of one object."""
         return self._inspect(validate_key(key))
 
@@ -404,13 +405,13 @@ class KVStore(ABC):
     def keys(self, prefix: str = "") -> list[str]: ...
 
     @abstractmethod
-    def _inspect(self, key: str) -> dict: ...
+    def _inspect(self, key: str) -> dict[str, Any]: ...
 
     @abstractmethod
     def _touch(self, keys: list[str], ttl: float) -> list[int | None]: ...
 
     @abstractmethod
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """At least capacity_bytes, used_bytes, objects, evictions, leases, pending."""
 
     @abstractmethod

@@ -21,11 +21,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from kvstore.client.arena import ArenaWriter, Slot, check_commit_size, commit_fits
 from kvstore.client.compression import WirePolicy
-from kvstore.client.rpc import Connection
+from kvstore.client.rpc import Connection, Message
 from kvstore.client.staging import Staged, StagingPool, send_staged, stage, unstage
 from kvstore.client.store import PutFlags
 from kvstore.core.digest import Digest
@@ -39,7 +39,6 @@ from kvstore.transports.base import DevicePath, PayloadDigest, Regions, Transpor
 INLINE_MAX = 64 << 10
 
 T = TypeVar("T")
-Message = dict[str, Any]  # a request to the daemon, or its reply
 Items = Sequence[tuple[ObjectMeta, Payload]]
 
 

@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -111,6 +111,9 @@ class KVObject(np.ndarray):
 
     meta: ObjectMeta
     _finalizer: weakref.finalize[[], KVObject] | None
+
+    if TYPE_CHECKING:  # an ndarray exports its buffer on every Python; numpy's stubs declare it from 3.12 on
+        def __buffer__(self, flags: int, /) -> memoryview: ...
 
     @classmethod
     def wrap(cls, data: Any, meta: ObjectMeta, on_release: Callable[[], None] | None = None) -> KVObject:

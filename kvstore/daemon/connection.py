@@ -50,12 +50,7 @@ class Connection:
         """Make at least ``n`` unread bytes available in the buffer."""
         if self._end - self._start >= n:
             return
-        if len(self._buf) - self._start < n:
-            keep = self._buf[self._start:self._end]
-            if len(self._buf) < n:
-                self._buf = bytearray(max(n, 2 * len(self._buf)))
-            self._buf[:len(keep)] = keep
-            self._start, self._end = 0, len(keep)
+        self._buf, self._start, self._end = wire.make_room(self._buf, self._start, self._end, n)
         view = memoryview(self._buf)
         while self._end - self._start < n:
             got = await self.loop.sock_recv_into(self.sock, view[self._end:])
@@ -140,10 +135,8 @@ class Connection:
         return await watching(work, self._until_peer_closes())
 
     async def _until_peer_closes(self) -> None:
-        if self._start:  # make room at the end of the buffer
-            keep = self._buf[self._start:self._end]
-            self._buf[:len(keep)] = keep
-            self._start, self._end = 0, len(keep)
+        # room at the end of the buffer: the unread bytes move to its front (room for a whole buffer of them)
+        self._buf, self._start, self._end = wire.make_room(self._buf, self._start, self._end, len(self._buf))
         view = memoryview(self._buf)
         while self._end < len(self._buf):
             got = await self.loop.sock_recv_into(self.sock, view[self._end:])

@@ -53,6 +53,14 @@ class DiskPolicy(Enum):
     DEMOTE = "demote"
     WRITE_THROUGH = "write-through"
 
+    @classmethod
+    def parse(cls, value: object) -> DiskPolicy:
+        """A policy, or its name (``demote``, ``write-through``); ValueError naming the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"disk policy must be one of {[p.value for p in cls]}, got {value!r}") from None
+
 
 @dataclass(frozen=True, slots=True)
 class DiskConfig:
@@ -71,11 +79,7 @@ class DiskConfig:
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity <= 0:
             raise ValueError(f"disk capacity must be a positive size, got {self.capacity!r}")
         if not isinstance(self.policy, DiskPolicy):
-            try:
-                object.__setattr__(self, "policy", DiskPolicy(self.policy))
-            except ValueError:
-                raise ValueError(f"disk policy must be one of {[p.value for p in DiskPolicy]}, "
-                                 f"got {self.policy!r}") from None
+            object.__setattr__(self, "policy", DiskPolicy.parse(self.policy))
         if isinstance(self.promote_after, bool) or not isinstance(self.promote_after, int) or self.promote_after < 1:
             raise ValueError(f"promote_after must be an int >= 1, got {self.promote_after!r}")
         if not 0 < self.low_watermark <= self.high_watermark <= 1:

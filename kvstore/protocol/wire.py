@@ -100,6 +100,20 @@ def frame_length(header: bytes | bytearray | memoryview, limit: int = MAX_FRAME)
     return n
 
 
+def make_room(buf: bytearray, start: int, end: int, n: int) -> tuple[bytearray, int, int]:
+    """Room for ``n`` unread bytes in a receive buffer (the client's and the daemon's framing): its unread bytes
+    ``buf[start:end]`` stay where they are when ``n`` bytes fit between ``start`` and the buffer's end; otherwise
+    they move to the front, of a new buffer (at least twice as long) when ``buf`` is shorter than ``n``. Returns
+    (buffer, start, end) of the unread bytes."""
+    if len(buf) - start >= n:
+        return buf, start, end
+    keep = bytes(buf[start:end])
+    if len(buf) < n:
+        buf = bytearray(max(n, 2 * len(buf)))
+    buf[:len(keep)] = keep
+    return buf, 0, len(keep)
+
+
 _Container = TypeVar("_Container")
 
 

@@ -95,3 +95,28 @@ def test_error_reply_carries_sizes():
     reply = wire.error_reply(3, BufferTooSmallError("small", needed=10, got=5))
     exc = error_from_wire(reply["error"], reply["message"], reply.get("extra"))
     assert isinstance(exc, BufferTooSmallError) and (exc.needed, exc.got) == (10, 5)
+
+
+def test_make_room_leaves_a_buffer_with_room_as_it_is():
+    buf = bytearray(b"..abc...")
+    assert wire.make_room(buf, 2, 5, 6) == (buf, 2, 5)  # 6 bytes fit between start and the end
+    assert wire.make_room(buf, 2, 5, 6)[0] is buf
+
+
+def test_make_room_moves_the_unread_bytes_to_the_front():
+    buf = bytearray(b"....abc.")
+    got, start, end = wire.make_room(buf, 4, 7, 5)
+    assert got is buf and (start, end) == (0, 3) and got[start:end] == b"abc" and len(got) == 8
+
+
+def test_make_room_grows_a_buffer_shorter_than_asked_at_least_twofold():
+    buf = bytearray(b"..abcd")
+    got, start, end = wire.make_room(buf, 2, 6, 7)
+    assert got is not buf and len(got) == 12 and (start, end) == (0, 4) and got[:4] == b"abcd"
+    got, start, end = wire.make_room(bytearray(b"xy"), 1, 2, 100)
+    assert len(got) == 100 and (start, end) == (0, 1) and got[:1] == b"y"
+
+
+def test_make_room_with_nothing_unread():
+    got, start, end = wire.make_room(bytearray(4), 4, 4, 4)
+    assert (start, end) == (0, 0) and len(got) == 4
