@@ -92,15 +92,26 @@ def get_pages(store: KVStore, items: Sequence[tuple[str, Any]], kv_caches: Seque
 
 
 def scatter_object(obj: KVObject, block_ids: Any, kv_caches: Sequence[torch.Tensor], layout: KVLayout,
-                   verify: bool) -> int:
+                   verify: bool, *, hash_in_copy: bool = False) -> int:
     """Scatter one stored object (held by the caller) into blocks ``block_ids``; returns its bytes. Checked
-    (and, with ``verify``, its checksum) before any byte reaches the caches."""
+    (and, with ``verify``, its checksum) before any byte reaches the caches -- unless ``hash_in_copy`` (CPU
+    caches): then the checksum is computed inside the copy, one pass over the bytes instead of two, and a
+    ChecksumError means the blocks were written with unverified bytes, for a caller that then treats them as
+    failed (the vLLM connector: vLLM recomputes them)."""
     from kvstore import ops
 
     device = kv_caches[0].device if len(kv_caches) else "cpu"
     ids = block_tensor(block_ids, device)
     check_object(obj.meta, layout, len(ids))
     view = memoryview(obj)
+    if verify and obj.meta.checksum is not None and hash_in_copy and str(device) == "cpu":
+        try:
+            ops.scatter_pages(ops.packed_view(view, layout, len(ids)), ids, kv_caches, layout=layout,
+                              expect_checksum=obj.meta.checksum)
+        except ChecksumError:
+            raise ChecksumError(f"object {obj.meta.key!r}: bytes differ from the checksum recorded at commit; "
+                                f"blocks {list(map(int, ids))} hold unverified bytes") from None
+        return len(view)
     if verify and obj.meta.checksum is not None and checksum_of(view) != obj.meta.checksum:
         raise ChecksumError(f"object {obj.meta.key!r}: bytes differ from the checksum recorded at commit")
     src = ops.packed_view(view, layout, len(ids))

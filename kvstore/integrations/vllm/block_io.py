@@ -172,7 +172,9 @@ class BlockIO:
                     continue
                 try:
                     with obj:
-                        pages.scatter_object(obj, [block_id], self._pages, self._kernel_layout, self.verify)
+                        # checksum hashed inside the copy: a corrupt block is reported failed, and vLLM recomputes it
+                        pages.scatter_object(obj, [block_id], self._pages, self._kernel_layout, self.verify,
+                                             hash_in_copy=True)
                     result.loaded += 1
                 except KVStoreError as exc:
                     self._count_failure(exc, result, key)
