@@ -28,7 +28,7 @@ from typing import Protocol
 
 from benchmarks.pd.costmodel import CostModel
 from benchmarks.pd.scheduler import Policy
-from benchmarks.pd.trace import TraceRequest
+from benchmarks.pd.trace import TokenRequest
 
 INTERACTIVE, BACKGROUND = "interactive", "background"
 REQUEST_CLASSES = (INTERACTIVE, BACKGROUND)
@@ -45,8 +45,8 @@ class WorkerLoad:
 
     index: int
     role: Policy
-    prefill: dict[str, TraceRequest] = field(default_factory=dict)  # sent, prompt not done yet
-    decode: dict[str, TraceRequest] = field(default_factory=dict)  # prompt done (or fetched), generating
+    prefill: dict[str, TokenRequest] = field(default_factory=dict)  # sent, prompt not done yet
+    decode: dict[str, TokenRequest] = field(default_factory=dict)  # prompt done (or fetched), generating
 
     def tokens(self) -> int:
         """Outstanding tokens: the least-loaded routing key. A prefill-only worker only owes the prompt."""
@@ -54,21 +54,21 @@ class WorkerLoad:
         owed = sum(r.prompt_tokens + (r.output_tokens if decodes_too else 0) for r in self.prefill.values())
         return owed + sum(r.output_tokens for r in self.decode.values())
 
-    def pop(self, rid: str) -> TraceRequest | None:
+    def pop(self, rid: str) -> TokenRequest | None:
         return self.prefill.pop(rid, None) or self.decode.pop(rid, None)
 
     def rids(self) -> list[str]:
         return [*self.prefill, *self.decode]
 
 
-Decision = tuple[TraceRequest, WorkerLoad]
+Decision = tuple[TokenRequest, WorkerLoad]
 
 
 class Admission(Protocol):
-    def next_prefill(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_prefill(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                      now: float) -> Decision | None: ...
 
-    def next_decode(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_decode(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                     now: float) -> Decision | None: ...
 
     def describe(self) -> dict: ...
@@ -81,11 +81,11 @@ def _least_tokens(workers: Sequence[WorkerLoad]) -> WorkerLoad:
 class Immediate:
     """No admission control: first come, first sent, to the worker with the fewest outstanding tokens."""
 
-    def next_prefill(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_prefill(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                      now: float) -> Decision | None:
         return (queue[0], _least_tokens(workers)) if queue and workers else None
 
-    def next_decode(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_decode(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                     now: float) -> Decision | None:
         return self.next_prefill(queue, workers, now)
 
@@ -118,7 +118,7 @@ class Budgeted:
         self.budgets, self.cost, self.chunk_budget = budgets, cost, chunk_budget
 
     # -- prefill queue: the TTFT budget -----------------------------------------------------------------
-    def next_prefill(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_prefill(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                      now: float) -> Decision | None:
         if not queue or not workers:
             return None
@@ -138,7 +138,7 @@ class Budgeted:
         """Predicted seconds of prefill already queued on ``w``."""
         return sum(self.cost.prefill_s(r.prompt_tokens) for r in w.prefill.values())
 
-    def stall_s(self, w: WorkerLoad, req: TraceRequest) -> float:
+    def stall_s(self, w: WorkerLoad, req: TokenRequest) -> float:
         """Predicted pause ``req``'s prefill puts between two tokens of ``w``'s running interactive decodes."""
         if w.role is Policy.PREFILL_ONLY or not any(r.klass == INTERACTIVE for r in w.decode.values()):
             return 0.0
@@ -147,7 +147,7 @@ class Budgeted:
         return self.cost.prefill_s(req.prompt_tokens)  # prefill-first: the decodes wait for the whole prompt
 
     # -- decode queue: the TPOT budget ------------------------------------------------------------------
-    def next_decode(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_decode(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                     now: float) -> Decision | None:
         if not queue or not workers:
             return None
@@ -156,17 +156,17 @@ class Budgeted:
         fits = not w.decode or self.step_s(w, req) <= self.budgets.tpot_s
         return (req, w) if fits else None
 
-    def step_s(self, w: WorkerLoad, extra: TraceRequest | None = None) -> float:
+    def step_s(self, w: WorkerLoad, extra: TokenRequest | None = None) -> float:
         """Predicted decode step time of ``w``'s batch (plus ``extra``), context at its largest."""
         reqs = [*w.decode.values(), *([extra] if extra is not None else [])]
         context = sum(r.prompt_tokens + r.output_tokens for r in reqs)
         return self.cost.decode_step_s(len(reqs), context)
 
     # -- classes ----------------------------------------------------------------------------------------
-    def _urgent(self, req: TraceRequest, now: float) -> bool:
+    def _urgent(self, req: TokenRequest, now: float) -> bool:
         return req.klass != BACKGROUND or now - req.arrival_s >= self.budgets.max_wait_s
 
-    def _head(self, queue: Sequence[TraceRequest], now: float) -> TraceRequest:
+    def _head(self, queue: Sequence[TokenRequest], now: float) -> TokenRequest:
         """The oldest urgent (interactive, or starved background) request, else the oldest background one."""
         return next((r for r in queue if self._urgent(r, now)), queue[0])
 

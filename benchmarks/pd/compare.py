@@ -1,6 +1,6 @@
 """``python -m benchmarks.pd compare``: every workload and trace through the three deployments, one report.
 
-Each source (a built-in workload, or a trace file with its scaling) becomes one :class:`Trace`; the same trace
+Each source (a built-in workload, or a trace file with its scaling) becomes one :class:`TokenTrace`; the same trace
 (same arrivals, same prompts) is served by every architecture in turn, with the same engine settings and the
 same compute (``workers`` processes x ``threads_per_worker`` torch threads). Runs go source by source,
 architectures interleaved, so slow drift of a shared machine's load hits them alike. Outputs in ``out_dir``:
@@ -24,7 +24,7 @@ from benchmarks.pd.costmodel import CostModel, calibrate
 from benchmarks.pd.deployment import Arch, DeploymentConfig, run
 from benchmarks.pd.fault import FaultSpec
 from benchmarks.pd.metrics import Slo, scorecard
-from benchmarks.pd.trace import WORKLOADS, Trace, TraceScaling, Workload, generate, load_trace
+from benchmarks.pd.trace import BUILTIN_WORKLOADS, BuiltinWorkload, TokenTrace, TraceScaling, generate, load_token_trace
 
 _TRACE_KEYS = {"prompt": "prompt_scale", "output": "output_scale", "time": "time_scale",
                "max-prompt": "max_prompt_tokens", "max-output": "max_output_tokens"}
@@ -34,7 +34,7 @@ _TRACE_KEYS = {"prompt": "prompt_scale", "output": "output_scale", "time": "time
 class Source:
     """A built-in workload (``workload``) or a trace file (``path``, scaled by ``scaling``)."""
 
-    workload: Workload | None = None
+    workload: BuiltinWorkload | None = None
     path: Path | None = None
     scaling: TraceScaling = TraceScaling()
     num_requests: int | None = None  # None: the comparison's --num-requests
@@ -67,12 +67,12 @@ class Source:
             raise ValueError(f"trace file not found: {path}")
         return cls(path=Path(path), scaling=dataclasses.replace(default, **values), num_requests=num)
 
-    def build(self, num_requests: int, seed: int, vocab_size: int, rate_scale: float = 1.0) -> Trace:
+    def build(self, num_requests: int, seed: int, vocab_size: int, rate_scale: float = 1.0) -> TokenTrace:
         n = self.num_requests or num_requests
         if self.workload is not None:
-            rate = WORKLOADS[self.workload].rate_rps * rate_scale
+            rate = BUILTIN_WORKLOADS[self.workload].rate_rps * rate_scale
             return generate(self.workload, n, seed=seed, vocab_size=vocab_size, rate_rps=rate)
-        return load_trace(self.path, num_requests=n, seed=seed, vocab_size=vocab_size, scaling=self.scaling)
+        return load_token_trace(self.path, num_requests=n, seed=seed, vocab_size=vocab_size, scaling=self.scaling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +141,7 @@ def _admission(cfg: CompareConfig, cost: CostModel | None):
     return Budgeted(Budgets(cfg.slo.ttft_s, cfg.slo.tpot_s), cost, cfg.engine.chunk_budget)
 
 
-def _unique_names(traces: list[Trace]) -> list[str]:
+def _unique_names(traces: list[TokenTrace]) -> list[str]:
     seen: dict[str, int] = {}
     names = []
     for trace in traces:
@@ -192,7 +192,7 @@ def compare(cfg: CompareConfig) -> dict:
     return doc
 
 
-def _run_one(cfg: CompareConfig, arch: Arch, trace: Trace, run_dir: Path, cost: CostModel | None) -> RunData:
+def _run_one(cfg: CompareConfig, arch: Arch, trace: TokenTrace, run_dir: Path, cost: CostModel | None) -> RunData:
     """One run; repeated (up to ``cfg.reruns`` times) while a worker got less than ``cfg.starved_share`` of a
     core while busy. Every attempt's CPU shares stay in the card, and the report names re-run cells."""
     engine = dataclasses.replace(cfg.engine, arch=arch)

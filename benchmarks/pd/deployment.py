@@ -27,7 +27,7 @@ from benchmarks.pd.router import Router
 from benchmarks.pd.scheduler import Policy
 from benchmarks.pd.store_daemon import StoreDaemon
 from benchmarks.pd.summary import summarize
-from benchmarks.pd.trace import Trace
+from benchmarks.pd.trace import TokenTrace
 from benchmarks.pd.transfer import StoreSpec, Transport
 from benchmarks.pd.worker import WorkerSpec
 from kvstore.workloads import runschema
@@ -124,7 +124,7 @@ def _store(config: DeploymentConfig, stack: ExitStack,
     return StoreSpec(url=daemon.url, transport=config.transport, **common), daemon
 
 
-def run(config: DeploymentConfig, trace: Trace, out_dir: str | Path, *, progress: bool = False,
+def run(config: DeploymentConfig, trace: TokenTrace, out_dir: str | Path, *, progress: bool = False,
         admission: Admission | None = None, fault: FaultSpec | None = None) -> dict:
     """Serve ``trace`` on ``config``'s deployment in real time; write the outputs; return the summary.
 

@@ -21,7 +21,7 @@ from benchmarks.pd.metrics import Slo, burst, interference
 from benchmarks.pd.model import MODEL_PRESETS
 from benchmarks.pd.router import Router
 from benchmarks.pd.scheduler import Policy
-from benchmarks.pd.trace import TraceRequest, TraceScaling, Workload, generate
+from benchmarks.pd.trace import BuiltinWorkload, TokenRequest, TraceScaling, generate
 from benchmarks.pd.verdict import verdict
 
 TINY = MODEL_PRESETS["tiny"]
@@ -30,7 +30,7 @@ COST = CostModel(prefill=(0.0, 0.001, 0.0), decode=(0.010, 0.001, 0.0))
 
 
 def _req(rid: str, prompt: int = 100, output: int = 10, klass: str = "interactive", arrival: float = 0.0):
-    return TraceRequest(rid, arrival, tuple(range(prompt)), output, prompt, output, klass=klass)
+    return TokenRequest(rid, arrival, tuple(range(prompt)), output, prompt, output, klass=klass)
 
 
 # -- admission control -----------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ class RecordingPool:
 
 def test_router_admits_interactive_requests_ahead_of_a_background_burst() -> None:
     reqs = [_req(f"bg{i}", 500, 4, "background") for i in range(3)] + [_req(f"i{i}", 50, 4) for i in range(3)]
-    trace = dataclasses.replace(generate(Workload.SHORT, 1), requests=tuple(reqs))
+    trace = dataclasses.replace(generate(BuiltinWorkload.SHORT, 1), requests=tuple(reqs))
     pool = RecordingPool()
     policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.1), COST)
     records, _ = Router(trace, pool, [Policy.PREFILL_ONLY, Policy.DECODE_ONLY], lambda n: n, admission=policy).run()
@@ -179,7 +179,7 @@ def test_decode_crash_loses_nothing(tmp_path: Path, arch: Arch) -> None:
 
     from benchmarks.pd.model import LlamaModel
 
-    base = generate(Workload.SHORT, 8, seed=5, vocab_size=TINY.vocab_size, rate_rps=20.0)
+    base = generate(BuiltinWorkload.SHORT, 8, seed=5, vocab_size=TINY.vocab_size, rate_rps=20.0)
     trace = dataclasses.replace(base, requests=tuple(dataclasses.replace(r, output_tokens=300)
                                                      for r in base.requests))
     cfg = DeploymentConfig(arch, model=TINY, num_blocks=512, chunk_budget=64, prefill_batch_tokens=256)
@@ -293,7 +293,7 @@ def test_energy_is_never_an_estimate() -> None:
 
 # -- traces and sources ----------------------------------------------------------------------------------
 def test_burst_workload_is_interactive_traffic_plus_a_background_burst() -> None:
-    trace = generate(Workload.BURST, 40, seed=1)
+    trace = generate(BuiltinWorkload.BURST, 40, seed=1)
     bg = [r for r in trace.requests if r.klass == "background"]
     assert len(bg) == 10 and all(r.prompt_tokens >= 640 for r in bg)
     assert max(r.arrival_s for r in bg) - min(r.arrival_s for r in bg) <= 1.0
