@@ -15,7 +15,6 @@ import json
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 from benchmarks.pd.admission import Admission, Immediate
@@ -31,15 +30,10 @@ from benchmarks.pd.trace import TokenTrace
 from benchmarks.pd.transfer import StoreSpec, Transport
 from benchmarks.pd.worker import WorkerSpec
 from kvstore.workloads import runschema
+from kvstore.workloads.arch import Arch  # the one Arch, shared with the planner and run logs
 
 TIMELINE_FIELDS = ("start_s", "end_s", "prefill_tokens", "decode_tokens", "prefill_seqs", "running", "blocks_used",
                    "transfer_s")
-
-
-class Arch(Enum):
-    COLOCATED = "colocated"
-    CHUNKED = "chunked"
-    DISAGGREGATED = "disaggregated"
 
 
 @dataclass(frozen=True, slots=True)
