@@ -15,13 +15,13 @@ from benchmarks.pd.deployment import Arch, DeploymentConfig, run
 from benchmarks.pd.fault import FaultSpec
 from benchmarks.pd.make_model import add_parser as add_make_model_parser
 from benchmarks.pd.make_model import main_make_model
-from benchmarks.pd.metrics import Slo
 from benchmarks.pd.model import MODEL_PRESETS
 from benchmarks.pd.search_check import add_check_search_parser, main_check_search
 from benchmarks.pd.trace import BuiltinWorkload, TokenTrace, TraceFormat, TraceScaling, generate, load_token_trace
 from benchmarks.pd.transfer import Transport
 from benchmarks.pd.validate import add_validate_parser, main_validate
 from benchmarks.pd.vllm_cli import add_vllm_args, vllm_compare_config
+from kvstore.workloads.slo import SLO
 
 
 def _positive_float(text: str) -> float:
@@ -153,7 +153,7 @@ def _compare_config(args: argparse.Namespace) -> CompareConfig:
     return CompareConfig(
         sources=sources, out_dir=args.out, engine=_config(args, Arch.COLOCATED), archs=archs,
         num_requests=args.num_requests, seed=args.seed, rate_scale=args.rate_scale,
-        slo=Slo(args.slo_ttft, args.slo_tpot, args.slo_attainment), admission=AdmissionKind(args.admission),
+        slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_attainment), admission=AdmissionKind(args.admission),
         fault=FaultSpec.parse(args.inject_fault) if args.inject_fault else None, progress=args.progress,
         reruns=args.reruns, starved_share=args.starved_share)
 

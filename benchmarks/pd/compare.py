@@ -23,8 +23,9 @@ from benchmarks.pd.admission import AdmissionKind, Budgeted, Budgets, Immediate
 from benchmarks.pd.costmodel import CostModel, calibrate
 from benchmarks.pd.deployment import Arch, DeploymentConfig, run
 from benchmarks.pd.fault import FaultSpec
-from benchmarks.pd.metrics import Slo, scorecard
+from benchmarks.pd.metrics import scorecard
 from benchmarks.pd.trace import BUILTIN_WORKLOADS, BuiltinWorkload, TokenTrace, TraceScaling, generate, load_token_trace
+from kvstore.workloads.slo import SLO
 
 _TRACE_KEYS = {"prompt": "prompt_scale", "output": "output_scale", "time": "time_scale",
                "max-prompt": "max_prompt_tokens", "max-output": "max_output_tokens"}
@@ -84,7 +85,7 @@ class CompareConfig:
     num_requests: int = 24
     seed: int = 0
     rate_scale: float = 1.0
-    slo: Slo = Slo(ttft_s=1.5, tpot_s=0.1)
+    slo: SLO = SLO(ttft_s=1.5, tpot_s=0.1)
     admission: AdmissionKind = AdmissionKind.BUDGET
     fault: FaultSpec | None = None
     progress: bool = False

@@ -45,12 +45,13 @@ from pathlib import Path
 from benchmarks.pd.compare import _unique_names
 from benchmarks.pd.deployment import Arch
 from benchmarks.pd.make_model import read_shape
-from benchmarks.pd.metrics import Slo, by_class, slo_block
+from benchmarks.pd.metrics import by_class, slo_block
 from benchmarks.pd.summary import distribution
 from benchmarks.pd.trace import TokenRequest, TokenTrace
 from benchmarks.pd.vllm_compare import VllmCompareConfig
 from benchmarks.pd.vllm_deployment import VllmConfig
 from kvstore.router.fleet import Child, Fleet, FleetError, project_env, spawn, vllm_command, wait_http
+from kvstore.workloads.slo import SLO
 
 #: The router's pools and each instance's kv_role, per architecture.
 POOLS = {Arch.COLOCATED: (("colocated", None), ("colocated", None)),
@@ -123,7 +124,7 @@ def _instance_env(core: int) -> dict:
 class HttpFleet:
     """A daemon (disaggregated), two vLLM OpenAI servers and ``kvstore router``; stopped on exit."""
 
-    def __init__(self, engine: VllmConfig, arch: Arch, workdir: Path, admission: str, slo: Slo):
+    def __init__(self, engine: VllmConfig, arch: Arch, workdir: Path, admission: str, slo: SLO):
         self.engine, self.arch, self.workdir = engine, arch, workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.fleet = Fleet(str(workdir), project_env())
@@ -382,7 +383,7 @@ def run_source(fleet: HttpFleet, trace: TokenTrace, run_dir: Path, cfg: HttpComp
     return results(dicts, cfg.slo, wall, counters, fault_block)
 
 
-def results(rows: list[dict], slo: Slo, wall_s: float, counters: dict, fault: dict | None) -> dict:
+def results(rows: list[dict], slo: SLO, wall_s: float, counters: dict, fault: dict | None) -> dict:
     done = [r for r in rows if not r["lost"] and not r["shed"]]
     duration = max((r["e2e_s"] + r["arrival_s"] for r in done if r["e2e_s"] is not None), default=wall_s)
 

@@ -22,10 +22,11 @@ from benchmarks.pd.compare import RunData, Source, _read_jsonl, _unique_names, m
 from benchmarks.pd.deployment import Arch
 from benchmarks.pd.fault import FaultSpec
 from benchmarks.pd.make_model import read_shape
-from benchmarks.pd.metrics import Slo, scorecard
+from benchmarks.pd.metrics import scorecard
 from benchmarks.pd.trace import TokenTrace
 from benchmarks.pd.vllm_deployment import Fleet, VllmConfig
 from benchmarks.pd.vllm_router import serve_trace, warm_up
+from kvstore.workloads.slo import SLO
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +38,7 @@ class VllmCompareConfig:
     num_requests: int = 8
     seed: int = 0
     rate_scale: float = 1.0
-    slo: Slo = Slo(ttft_s=1.5, tpot_s=0.1)
+    slo: SLO = SLO(ttft_s=1.5, tpot_s=0.1)
     fault: FaultSpec | None = None
 
     def __post_init__(self) -> None:

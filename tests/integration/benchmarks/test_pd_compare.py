@@ -17,12 +17,13 @@ from benchmarks.pd.costmodel import CostModel
 from benchmarks.pd.deployment import Arch, DeploymentConfig, run
 from benchmarks.pd.energy import NOT_MEASURED, EnergyMeter, _Rapl
 from benchmarks.pd.fault import FaultKind, FaultLog, FaultSpec, choose_victim, recovery_report
-from benchmarks.pd.metrics import Slo, burst, interference
+from benchmarks.pd.metrics import burst, interference, slo_block
 from benchmarks.pd.model import MODEL_PRESETS
 from benchmarks.pd.router import Router
 from benchmarks.pd.scheduler import Policy
 from benchmarks.pd.trace import BuiltinWorkload, TokenRequest, TraceScaling, generate
 from benchmarks.pd.verdict import verdict
+from kvstore.workloads.slo import SLO
 
 TINY = MODEL_PRESETS["tiny"]
 #: prefill of n tokens takes n ms; a decode step 10 ms + 1 ms per sequence (context ignored)
@@ -252,7 +253,7 @@ def _card(met: bool, moved: int, attain: float = 1.0) -> dict:
 
 
 def test_verdict_picks_the_cheapest_architecture_that_meets_the_slos() -> None:
-    slo = Slo(1.0, 0.1)
+    slo = SLO(1.0, 0.1)
     v = verdict({"colocated": _card(False, 0, 0.5), "chunked": _card(True, 0), "disaggregated": _card(True, 1 << 20)},
                 slo)
     assert v["winner"] == "chunked" and v["meets_slo"] == ["chunked", "disaggregated"]
@@ -261,12 +262,13 @@ def test_verdict_picks_the_cheapest_architecture_that_meets_the_slos() -> None:
     assert v["winner"] is None and v["closest"] == "disaggregated" and "no architecture" in v["text"]
 
 
-def test_slo_judges_each_request_on_both_limits() -> None:
-    slo = Slo(1.0, 0.1)
-    assert slo.met_by({"lost": False, "ttft_s": 0.5, "tpot_s": None})  # one output token: no TPOT
-    assert not slo.met_by({"lost": False, "ttft_s": 0.5, "tpot_s": 0.2})
-    with pytest.raises(ValueError, match="attainment"):
-        Slo(1.0, 0.1, attainment=1.5)
+def test_slo_block_holds_interactive_requests_to_the_slo_and_loses_none() -> None:
+    slo = SLO(1.0, 0.1, attainment=0.5)
+    row = {"lost": False, "ttft_s": 0.5, "tpot_s": None, "class": "interactive"}  # one output token: no TPOT
+    slow_bg = {**row, "tpot_s": 0.2, "class": "background"}
+    block = slo_block([row, slow_bg], slo, duration_s=2.0)
+    assert block == {"goodput_rps": 0.5, "attainment": 0.5, "attainment_interactive": 1.0, "met": True}
+    assert not slo_block([row, {**row, "lost": True}], slo, duration_s=2.0)["met"]  # a lost request
 
 
 # -- energy ----------------------------------------------------------------------------------------------
