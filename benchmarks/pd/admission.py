@@ -16,7 +16,7 @@ worker). An :class:`Admission` policy picks the next request to send from each.
   within the TPOT budget with it added (or whose batch is empty); interactive first, background only when no
   interactive request waits.
   A background request older than ``background_max_wait_s`` is admitted as if interactive (no starvation).
-  Predictions come from :class:`benchmarks.pd.costmodel.CostModel`.
+  Predictions come from :class:`benchmarks.pd.stepmodel.CostModel`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from benchmarks.pd.costmodel import CostModel
 from benchmarks.pd.scheduler import Policy
+from benchmarks.pd.stepmodel import CostModel
 from benchmarks.pd.trace import TokenRequest
 
 INTERACTIVE, BACKGROUND = "interactive", "background"

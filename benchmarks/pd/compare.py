@@ -20,10 +20,10 @@ from pathlib import Path
 
 from benchmarks.common.machine import machine as common_machine
 from benchmarks.pd.admission import AdmissionKind, Budgeted, Budgets, Immediate
-from benchmarks.pd.costmodel import CostModel, calibrate
 from benchmarks.pd.deployment import Arch, DeploymentConfig, run
 from benchmarks.pd.fault import FaultSpec
 from benchmarks.pd.metrics import scorecard
+from benchmarks.pd.stepmodel import CostModel, calibrate
 from benchmarks.pd.trace import BUILTIN_WORKLOADS, BuiltinWorkload, TokenTrace, TraceScaling, generate, load_token_trace
 from kvstore.workloads.slo import SLO
 

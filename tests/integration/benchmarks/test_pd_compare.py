@@ -13,7 +13,6 @@ from paths import TRACES
 
 from benchmarks.pd.admission import Budgeted, Budgets, Immediate, WorkerLoad
 from benchmarks.pd.compare import CompareConfig, Source
-from benchmarks.pd.costmodel import CostModel
 from benchmarks.pd.deployment import Arch, DeploymentConfig, run
 from benchmarks.pd.energy import NOT_MEASURED, EnergyMeter, _Rapl
 from benchmarks.pd.fault import FaultKind, FaultLog, FaultSpec, choose_victim, recovery_report
@@ -21,6 +20,7 @@ from benchmarks.pd.metrics import burst, interference, slo_block
 from benchmarks.pd.model import MODEL_PRESETS
 from benchmarks.pd.router import Router
 from benchmarks.pd.scheduler import Policy
+from benchmarks.pd.stepmodel import CostModel
 from benchmarks.pd.trace import BuiltinWorkload, TokenRequest, TraceScaling, generate
 from benchmarks.pd.verdict import verdict
 from kvstore.workloads.slo import SLO
