@@ -16,7 +16,7 @@ worker). An :class:`Admission` policy picks the next request to send from each.
   within the TPOT budget with it added (or whose batch is empty); interactive first, background only when no
   interactive request waits.
   A background request older than ``background_max_wait_s`` is admitted as if interactive (no starvation).
-  Predictions come from :class:`benchmarks.pd.stepmodel.CostModel`.
+  Predictions come from :class:`benchmarks.pd.stepmodel.StepModel`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from enum import Enum
 from typing import Protocol
 
 from benchmarks.pd.scheduler import Policy
-from benchmarks.pd.stepmodel import CostModel
+from benchmarks.pd.stepmodel import StepModel
 from benchmarks.pd.trace import TokenRequest
 
 INTERACTIVE, BACKGROUND = "interactive", "background"
@@ -114,8 +114,8 @@ class Budgets:
 class Budgeted:
     """Two queues, two budgets, two classes (see the module docstring)."""
 
-    def __init__(self, budgets: Budgets, cost: CostModel, chunk_budget: int = 256):
-        self.budgets, self.cost, self.chunk_budget = budgets, cost, chunk_budget
+    def __init__(self, budgets: Budgets, step: StepModel, chunk_budget: int = 256):
+        self.budgets, self.step, self.chunk_budget = budgets, step, chunk_budget
 
     # -- prefill queue: the TTFT budget -----------------------------------------------------------------
     def next_prefill(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
@@ -127,7 +127,7 @@ class Budgeted:
         if self._urgent(req, now):
             w = by_backlog[0]
             backlog = self.backlog_s(w)
-            fits = backlog == 0 or backlog + self.cost.prefill_s(req.prompt_tokens) <= self.budgets.ttft_s
+            fits = backlog == 0 or backlog + self.step.prefill_s(req.prompt_tokens) <= self.budgets.ttft_s
             return (req, w) if fits else None
         for w in by_backlog:  # a background request, and no interactive one is waiting
             if self.backlog_s(w) == 0 and self.stall_s(w, req) <= self.budgets.tpot_s:
@@ -136,15 +136,15 @@ class Budgeted:
 
     def backlog_s(self, w: WorkerLoad) -> float:
         """Predicted seconds of prefill already queued on ``w``."""
-        return sum(self.cost.prefill_s(r.prompt_tokens) for r in w.prefill.values())
+        return sum(self.step.prefill_s(r.prompt_tokens) for r in w.prefill.values())
 
     def stall_s(self, w: WorkerLoad, req: TokenRequest) -> float:
         """Predicted pause ``req``'s prefill puts between two tokens of ``w``'s running interactive decodes."""
         if w.role is Policy.PREFILL_ONLY or not any(r.klass == INTERACTIVE for r in w.decode.values()):
             return 0.0
         if w.role is Policy.CHUNKED:  # one chunk per step, shared with the decodes
-            return self.cost.prefill_s(min(self.chunk_budget, req.prompt_tokens)) + self.step_s(w)
-        return self.cost.prefill_s(req.prompt_tokens)  # prefill-first: the decodes wait for the whole prompt
+            return self.step.prefill_s(min(self.chunk_budget, req.prompt_tokens)) + self.step_s(w)
+        return self.step.prefill_s(req.prompt_tokens)  # prefill-first: the decodes wait for the whole prompt
 
     # -- decode queue: the TPOT budget ------------------------------------------------------------------
     def next_decode(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
@@ -160,7 +160,7 @@ class Budgeted:
         """Predicted decode step time of ``w``'s batch (plus ``extra``), context at its largest."""
         reqs = [*w.decode.values(), *([extra] if extra is not None else [])]
         context = sum(r.prompt_tokens + r.output_tokens for r in reqs)
-        return self.cost.decode_step_s(len(reqs), context)
+        return self.step.decode_step_s(len(reqs), context)
 
     # -- classes ----------------------------------------------------------------------------------------
     def _urgent(self, req: TokenRequest, now: float) -> bool:
@@ -174,4 +174,4 @@ class Budgeted:
         b = self.budgets
         return {"policy": AdmissionKind.BUDGET.value, "ttft_budget_s": b.ttft_s, "tpot_budget_s": b.tpot_s,
                 "background_max_wait_s": b.max_wait_s, "chunk_budget": self.chunk_budget,
-                "cost_model": self.cost.describe()}
+                "step_model": self.step.describe()}

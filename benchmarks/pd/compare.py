@@ -23,7 +23,7 @@ from benchmarks.pd.admission import AdmissionKind, Budgeted, Budgets, Immediate
 from benchmarks.pd.deployment import Arch, DeploymentConfig, run
 from benchmarks.pd.fault import FaultSpec
 from benchmarks.pd.metrics import scorecard
-from benchmarks.pd.stepmodel import CostModel, calibrate
+from benchmarks.pd.stepmodel import StepModel, fit_step_model
 from benchmarks.pd.trace import BUILTIN_WORKLOADS, BuiltinWorkload, TokenTrace, TraceScaling, generate, load_token_trace
 from kvstore.workloads.slo import SLO
 
@@ -136,10 +136,10 @@ def compute_note(engine: DeploymentConfig) -> dict:
     }
 
 
-def _admission(cfg: CompareConfig, cost: CostModel | None):
+def _admission(cfg: CompareConfig, step: StepModel | None):
     if cfg.admission is AdmissionKind.NONE:
         return Immediate()
-    return Budgeted(Budgets(cfg.slo.ttft_s, cfg.slo.tpot_s), cost, cfg.engine.chunk_budget)
+    return Budgeted(Budgets(cfg.slo.ttft_s, cfg.slo.tpot_s), step, cfg.engine.chunk_budget)
 
 
 def _unique_names(traces: list[TokenTrace]) -> list[str]:
@@ -170,7 +170,7 @@ def compare(cfg: CompareConfig) -> dict:
     traces = [s.build(cfg.num_requests, cfg.seed, vocab, cfg.rate_scale) for s in cfg.sources]
     for trace in traces:  # fail before the first run, not after an hour
         trace.check_fits(cfg.engine.max_request_tokens)
-    cost = calibrate(cfg.engine.model, cfg.engine.block_size) if cfg.admission is AdmissionKind.BUDGET else None
+    step = fit_step_model(cfg.engine.model, cfg.engine.block_size) if cfg.admission is AdmissionKind.BUDGET else None
     names = _unique_names(traces)
     data: dict[str, dict[str, RunData]] = {}
     with _bar(len(traces) * len(cfg.archs), cfg.progress) as bar:
@@ -178,12 +178,12 @@ def compare(cfg: CompareConfig) -> dict:
             data[name] = {}
             for arch in cfg.archs:
                 bar.set_postfix_str(f"{name} / {arch.value}")
-                data[name][arch.value] = _run_one(cfg, arch, trace, out / name / arch.value, cost)
+                data[name][arch.value] = _run_one(cfg, arch, trace, out / name / arch.value, step)
                 bar.update(1)
     host["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     doc = {
         "machine": host,
-        "setup": _setup(cfg, cost, {name: trace.describe() for name, trace in zip(names, traces, strict=True)}),
+        "setup": _setup(cfg, step, {name: trace.describe() for name, trace in zip(names, traces, strict=True)}),
         "results": {name: {arch: run.card for arch, run in by_arch.items()} for name, by_arch in data.items()},
     }
     doc["verdicts"] = verdicts(doc["results"], cfg.slo)
@@ -193,13 +193,13 @@ def compare(cfg: CompareConfig) -> dict:
     return doc
 
 
-def _run_one(cfg: CompareConfig, arch: Arch, trace: TokenTrace, run_dir: Path, cost: CostModel | None) -> RunData:
+def _run_one(cfg: CompareConfig, arch: Arch, trace: TokenTrace, run_dir: Path, step: StepModel | None) -> RunData:
     """One run; repeated (up to ``cfg.reruns`` times) while a worker got less than ``cfg.starved_share`` of a
     core while busy. Every attempt's CPU shares stay in the card, and the report names re-run cells."""
     engine = dataclasses.replace(cfg.engine, arch=arch)
     attempts = []
     for _ in range(1 + cfg.reruns):
-        summary = run(engine, trace, run_dir, progress=cfg.progress, admission=_admission(cfg, cost),
+        summary = run(engine, trace, run_dir, progress=cfg.progress, admission=_admission(cfg, step),
                       fault=cfg.fault)
         rows = _read_jsonl(run_dir / "requests.jsonl")
         timeline = _read_jsonl(run_dir / "timeline.jsonl")
@@ -213,7 +213,7 @@ def _run_one(cfg: CompareConfig, arch: Arch, trace: TokenTrace, run_dir: Path, c
     return RunData(card, rows, timeline)
 
 
-def _setup(cfg: CompareConfig, cost: CostModel | None, traces: dict[str, dict]) -> dict:
+def _setup(cfg: CompareConfig, step: StepModel | None, traces: dict[str, dict]) -> dict:
     engine = cfg.engine.describe()
     for key in ("arch", "workers", "transport", "store", "handoff_keys"):
         engine.pop(key, None)
@@ -222,7 +222,7 @@ def _setup(cfg: CompareConfig, cost: CostModel | None, traces: dict[str, dict]) 
         "transport": cfg.engine.transport.value, "handoff_keys": "prefix" if cfg.engine.handoff_prefix_keys
         else "request",
         "slo": dataclasses.asdict(cfg.slo),
-        "admission": _admission(cfg, cost).describe(),
+        "admission": _admission(cfg, step).describe(),
         "fault": str(cfg.fault) if cfg.fault else None,
         "seed": cfg.seed, "num_requests": cfg.num_requests, "rate_scale": cfg.rate_scale,
         "reruns": {"max": cfg.reruns, "when_cpu_share_below": cfg.starved_share},

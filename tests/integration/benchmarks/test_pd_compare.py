@@ -20,14 +20,14 @@ from benchmarks.pd.metrics import burst, interference, slo_block
 from benchmarks.pd.model import MODEL_PRESETS
 from benchmarks.pd.router import Router
 from benchmarks.pd.scheduler import Policy
-from benchmarks.pd.stepmodel import CostModel
+from benchmarks.pd.stepmodel import StepModel
 from benchmarks.pd.trace import BuiltinWorkload, TokenRequest, TraceScaling, generate
 from benchmarks.pd.verdict import verdict
 from kvstore.workloads.slo import SLO
 
 TINY = MODEL_PRESETS["tiny"]
 #: prefill of n tokens takes n ms; a decode step 10 ms + 1 ms per sequence (context ignored)
-COST = CostModel(prefill=(0.0, 0.001, 0.0), decode=(0.010, 0.001, 0.0))
+STEPS = StepModel(prefill=(0.0, 0.001, 0.0), decode=(0.010, 0.001, 0.0))
 
 
 def _req(rid: str, prompt: int = 100, output: int = 10, klass: str = "interactive", arrival: float = 0.0):
@@ -45,7 +45,7 @@ def test_immediate_sends_the_oldest_request_to_the_least_loaded_worker() -> None
 
 
 def test_prefill_queue_holds_interactive_requests_against_the_ttft_budget() -> None:
-    policy = Budgeted(Budgets(ttft_s=0.5, tpot_s=0.1), COST)
+    policy = Budgeted(Budgets(ttft_s=0.5, tpot_s=0.1), STEPS)
     w = WorkerLoad(0, Policy.PREFILL_ONLY)
     first = _req("first", prompt=400)
     assert policy.next_prefill([first], [w], 0.0) == (first, w)  # empty worker: always
@@ -59,7 +59,7 @@ def test_prefill_queue_holds_interactive_requests_against_the_ttft_budget() -> N
 
 
 def test_background_requests_only_fill_slack() -> None:
-    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.1, background_max_wait_s=30.0), COST)
+    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.1, background_max_wait_s=30.0), STEPS)
     doc, chat = _req("doc", prompt=800, klass="background"), _req("chat", prompt=50, arrival=1.0)
     colocated = WorkerLoad(0, Policy.PREFILL_FIRST)
     assert policy.next_prefill([doc, chat], [colocated], 1.0) == (chat, colocated)  # interactive overtakes
@@ -78,7 +78,7 @@ def test_background_requests_only_fill_slack() -> None:
 
 
 def test_decode_queue_holds_requests_against_the_tpot_budget() -> None:
-    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.015), COST)  # room for 5 sequences (10 ms + 1 ms each)
+    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.015), STEPS)  # room for 5 sequences (10 ms + 1 ms each)
     w = WorkerLoad(0, Policy.DECODE_ONLY)
     for i in range(5):
         req = _req(f"d{i}")
@@ -135,7 +135,7 @@ def test_router_admits_interactive_requests_ahead_of_a_background_burst() -> Non
     reqs = [_req(f"bg{i}", 500, 4, "background") for i in range(3)] + [_req(f"i{i}", 50, 4) for i in range(3)]
     trace = dataclasses.replace(generate(BuiltinWorkload.SHORT, 1), requests=tuple(reqs))
     pool = RecordingPool()
-    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.1), COST)
+    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.1), STEPS)
     records, _ = Router(trace, pool, [Policy.PREFILL_ONLY, Policy.DECODE_ONLY], lambda n: n, admission=policy).run()
     assert all(r.finished for r in records)
     prefills = [rid for _, op, rid in pool.sent if op == "add"]
