@@ -64,3 +64,16 @@ def test_shipped_azure_trace_reads_in_the_engine_model():
 def test_shipped_mooncake_trace_reads_in_the_engine_model():
     engine = pd_trace.load_token_trace(MOONCAKE, num_requests=20, scaling=pd_trace.TraceScaling(prompt_scale=0.01))
     assert [r.source_prompt_tokens for r in engine.requests[:1]] == [40160]
+
+
+def test_token_traces_are_the_library_trace_tokenized(tmp_path):
+    path = _write(tmp_path, "m.jsonl", MOONCAKE_SAMPLE)
+    scaling = pd_trace.TraceScaling(prompt_scale=0.01)
+    library = planner_trace.load_trace(path)
+    tokens = pd_trace.tokenize(library, seed=1, vocab_size=64, scaling=scaling, source=str(path))
+    assert tokens == pd_trace.load_token_trace(path, seed=1, vocab_size=64, scaling=scaling)
+    assert [r.id for r in tokens.requests] == [f"r{r.id:05d}" for r in library.requests]
+    background = planner_trace.Trace("bg", (planner_trace.TraceRequest(0, 0.0, 5, 2, klass="background"),))
+    assert [r.klass for r in pd_trace.tokenize(background).requests] == ["background"]
+    burst = pd_trace.generate(pd_trace.BuiltinWorkload.BURST, 12, seed=2)
+    assert {r.klass for r in burst.requests} == {"interactive", "background"}
