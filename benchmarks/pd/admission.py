@@ -16,7 +16,7 @@ worker). An :class:`Admission` policy picks the next request to send from each.
   within the TPOT budget with it added (or whose batch is empty); interactive first, background only when no
   interactive request waits.
   A background request older than ``background_max_wait_s`` is admitted as if interactive (no starvation).
-  Predictions come from :class:`benchmarks.pd.costmodel.CostModel`.
+  Predictions come from :class:`benchmarks.pd.stepmodel.StepModel`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from benchmarks.pd.costmodel import CostModel
 from benchmarks.pd.scheduler import Policy
-from benchmarks.pd.trace import TraceRequest
+from benchmarks.pd.stepmodel import StepModel
+from benchmarks.pd.trace import TokenRequest
 
 INTERACTIVE, BACKGROUND = "interactive", "background"
 REQUEST_CLASSES = (INTERACTIVE, BACKGROUND)
@@ -45,8 +45,8 @@ class WorkerLoad:
 
     index: int
     role: Policy
-    prefill: dict[str, TraceRequest] = field(default_factory=dict)  # sent, prompt not done yet
-    decode: dict[str, TraceRequest] = field(default_factory=dict)  # prompt done (or fetched), generating
+    prefill: dict[str, TokenRequest] = field(default_factory=dict)  # sent, prompt not done yet
+    decode: dict[str, TokenRequest] = field(default_factory=dict)  # prompt done (or fetched), generating
 
     def tokens(self) -> int:
         """Outstanding tokens: the least-loaded routing key. A prefill-only worker only owes the prompt."""
@@ -54,21 +54,21 @@ class WorkerLoad:
         owed = sum(r.prompt_tokens + (r.output_tokens if decodes_too else 0) for r in self.prefill.values())
         return owed + sum(r.output_tokens for r in self.decode.values())
 
-    def pop(self, rid: str) -> TraceRequest | None:
+    def pop(self, rid: str) -> TokenRequest | None:
         return self.prefill.pop(rid, None) or self.decode.pop(rid, None)
 
     def rids(self) -> list[str]:
         return [*self.prefill, *self.decode]
 
 
-Decision = tuple[TraceRequest, WorkerLoad]
+Decision = tuple[TokenRequest, WorkerLoad]
 
 
 class Admission(Protocol):
-    def next_prefill(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_prefill(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                      now: float) -> Decision | None: ...
 
-    def next_decode(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_decode(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                     now: float) -> Decision | None: ...
 
     def describe(self) -> dict: ...
@@ -81,11 +81,11 @@ def _least_tokens(workers: Sequence[WorkerLoad]) -> WorkerLoad:
 class Immediate:
     """No admission control: first come, first sent, to the worker with the fewest outstanding tokens."""
 
-    def next_prefill(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_prefill(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                      now: float) -> Decision | None:
         return (queue[0], _least_tokens(workers)) if queue and workers else None
 
-    def next_decode(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_decode(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                     now: float) -> Decision | None:
         return self.next_prefill(queue, workers, now)
 
@@ -114,11 +114,11 @@ class Budgets:
 class Budgeted:
     """Two queues, two budgets, two classes (see the module docstring)."""
 
-    def __init__(self, budgets: Budgets, cost: CostModel, chunk_budget: int = 256):
-        self.budgets, self.cost, self.chunk_budget = budgets, cost, chunk_budget
+    def __init__(self, budgets: Budgets, step: StepModel, chunk_budget: int = 256):
+        self.budgets, self.step, self.chunk_budget = budgets, step, chunk_budget
 
     # -- prefill queue: the TTFT budget -----------------------------------------------------------------
-    def next_prefill(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_prefill(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                      now: float) -> Decision | None:
         if not queue or not workers:
             return None
@@ -127,7 +127,7 @@ class Budgeted:
         if self._urgent(req, now):
             w = by_backlog[0]
             backlog = self.backlog_s(w)
-            fits = backlog == 0 or backlog + self.cost.prefill_s(req.prompt_tokens) <= self.budgets.ttft_s
+            fits = backlog == 0 or backlog + self.step.prefill_s(req.prompt_tokens) <= self.budgets.ttft_s
             return (req, w) if fits else None
         for w in by_backlog:  # a background request, and no interactive one is waiting
             if self.backlog_s(w) == 0 and self.stall_s(w, req) <= self.budgets.tpot_s:
@@ -136,18 +136,18 @@ class Budgeted:
 
     def backlog_s(self, w: WorkerLoad) -> float:
         """Predicted seconds of prefill already queued on ``w``."""
-        return sum(self.cost.prefill_s(r.prompt_tokens) for r in w.prefill.values())
+        return sum(self.step.prefill_s(r.prompt_tokens) for r in w.prefill.values())
 
-    def stall_s(self, w: WorkerLoad, req: TraceRequest) -> float:
+    def stall_s(self, w: WorkerLoad, req: TokenRequest) -> float:
         """Predicted pause ``req``'s prefill puts between two tokens of ``w``'s running interactive decodes."""
         if w.role is Policy.PREFILL_ONLY or not any(r.klass == INTERACTIVE for r in w.decode.values()):
             return 0.0
         if w.role is Policy.CHUNKED:  # one chunk per step, shared with the decodes
-            return self.cost.prefill_s(min(self.chunk_budget, req.prompt_tokens)) + self.step_s(w)
-        return self.cost.prefill_s(req.prompt_tokens)  # prefill-first: the decodes wait for the whole prompt
+            return self.step.prefill_s(min(self.chunk_budget, req.prompt_tokens)) + self.step_s(w)
+        return self.step.prefill_s(req.prompt_tokens)  # prefill-first: the decodes wait for the whole prompt
 
     # -- decode queue: the TPOT budget ------------------------------------------------------------------
-    def next_decode(self, queue: Sequence[TraceRequest], workers: Sequence[WorkerLoad],
+    def next_decode(self, queue: Sequence[TokenRequest], workers: Sequence[WorkerLoad],
                     now: float) -> Decision | None:
         if not queue or not workers:
             return None
@@ -156,17 +156,17 @@ class Budgeted:
         fits = not w.decode or self.step_s(w, req) <= self.budgets.tpot_s
         return (req, w) if fits else None
 
-    def step_s(self, w: WorkerLoad, extra: TraceRequest | None = None) -> float:
+    def step_s(self, w: WorkerLoad, extra: TokenRequest | None = None) -> float:
         """Predicted decode step time of ``w``'s batch (plus ``extra``), context at its largest."""
         reqs = [*w.decode.values(), *([extra] if extra is not None else [])]
         context = sum(r.prompt_tokens + r.output_tokens for r in reqs)
-        return self.cost.decode_step_s(len(reqs), context)
+        return self.step.decode_step_s(len(reqs), context)
 
     # -- classes ----------------------------------------------------------------------------------------
-    def _urgent(self, req: TraceRequest, now: float) -> bool:
+    def _urgent(self, req: TokenRequest, now: float) -> bool:
         return req.klass != BACKGROUND or now - req.arrival_s >= self.budgets.max_wait_s
 
-    def _head(self, queue: Sequence[TraceRequest], now: float) -> TraceRequest:
+    def _head(self, queue: Sequence[TokenRequest], now: float) -> TokenRequest:
         """The oldest urgent (interactive, or starved background) request, else the oldest background one."""
         return next((r for r in queue if self._urgent(r, now)), queue[0])
 
@@ -174,4 +174,4 @@ class Budgeted:
         b = self.budgets
         return {"policy": AdmissionKind.BUDGET.value, "ttft_budget_s": b.ttft_s, "tpot_budget_s": b.tpot_s,
                 "background_max_wait_s": b.max_wait_s, "chunk_budget": self.chunk_budget,
-                "cost_model": self.cost.describe()}
+                "step_model": self.step.describe()}

@@ -15,13 +15,13 @@ from benchmarks.pd.deployment import Arch, DeploymentConfig, run
 from benchmarks.pd.fault import FaultSpec
 from benchmarks.pd.make_model import add_parser as add_make_model_parser
 from benchmarks.pd.make_model import main_make_model
-from benchmarks.pd.metrics import Slo
 from benchmarks.pd.model import MODEL_PRESETS
 from benchmarks.pd.search_check import add_check_search_parser, main_check_search
-from benchmarks.pd.trace import Trace, TraceFormat, TraceScaling, Workload, generate, load_trace
+from benchmarks.pd.trace import BuiltinWorkload, TokenTrace, TraceFormat, TraceScaling, generate, load_token_trace
 from benchmarks.pd.transfer import Transport
 from benchmarks.pd.validate import add_validate_parser, main_validate
 from benchmarks.pd.vllm_cli import add_vllm_args, vllm_compare_config
+from kvstore.workloads.slo import SLO
 
 
 def _positive_float(text: str) -> float:
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="serve one trace on one deployment")
     p.add_argument("--arch", required=True, choices=[a.value for a in Arch])
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--workload", choices=[w.value for w in Workload])
+    source.add_argument("--workload", choices=[w.value for w in BuiltinWorkload])
     source.add_argument("--trace", type=Path, help="Mooncake .jsonl or Azure 2023 .csv trace file")
     p.add_argument("--trace-format", choices=[f.value for f in TraceFormat], help="default: from the suffix")
     p.add_argument("--num-requests", type=_positive_int, default=16)
@@ -94,7 +94,7 @@ def add_compare_parser(sub) -> None:
                        description="Serve each workload / trace with every architecture (same arrivals, same "
                                    "compute) and write summary.json, report.md, report.html and figures.")
     c.add_argument("--workloads", default="short,long,mixed",
-                   help=f"comma-separated built-in workloads from {[w.value for w in Workload]}; '' for none")
+                   help=f"comma-separated built-in workloads from {[w.value for w in BuiltinWorkload]}; '' for none")
     c.add_argument("--trace", action="append", default=[], metavar="FILE[,KEY=VALUE...]",
                    help="a Mooncake .jsonl or Azure .csv trace (repeatable); per-trace overrides of the scaling "
                         "options: prompt=, output=, length=, time=, max-prompt=, max-output=, n= (requests)")
@@ -126,23 +126,24 @@ def _scaling(args: argparse.Namespace) -> TraceScaling:
     return TraceScaling(prompt_scale, output_scale, args.time_scale, args.max_prompt_tokens, args.max_output_tokens)
 
 
-def _trace(args: argparse.Namespace, vocab_size: int) -> Trace:
+def _trace(args: argparse.Namespace, vocab_size: int) -> TokenTrace:
     common = {"seed": args.seed, "vocab_size": vocab_size, "scaling": _scaling(args)}
     if args.workload:
-        return generate(Workload(args.workload), args.num_requests, rate_rps=args.rate, **common)
+        return generate(BuiltinWorkload(args.workload), args.num_requests, rate_rps=args.rate, **common)
     if args.rate is not None:
         raise ValueError("--rate applies to --workload only; use --time-scale for trace files")
     fmt = TraceFormat(args.trace_format) if args.trace_format else None
-    return load_trace(args.trace, fmt=fmt, num_requests=args.num_requests, **common)
+    return load_token_trace(args.trace, fmt=fmt, num_requests=args.num_requests, **common)
 
 
 def _sources_archs(args: argparse.Namespace) -> tuple[tuple[Source, ...], tuple[Arch, ...]]:
     workloads = [w for w in args.workloads.split(",") if w.strip()]
     try:
-        sources = [Source(workload=Workload(w.strip())) for w in workloads]
+        sources = [Source(workload=BuiltinWorkload(w.strip())) for w in workloads]
         archs = tuple(Arch(a.strip()) for a in args.archs.split(",") if a.strip())
     except ValueError as exc:
-        raise ValueError(f"{exc}; workloads: {[w.value for w in Workload]}, archs: {[a.value for a in Arch]}") from None
+        raise ValueError(f"{exc}; workloads: {[w.value for w in BuiltinWorkload]}, "
+                         f"archs: {[a.value for a in Arch]}") from None
     sources += [Source.parse_trace(t, _scaling(args)) for t in args.trace]
     return tuple(sources), archs
 
@@ -152,7 +153,7 @@ def _compare_config(args: argparse.Namespace) -> CompareConfig:
     return CompareConfig(
         sources=sources, out_dir=args.out, engine=_config(args, Arch.COLOCATED), archs=archs,
         num_requests=args.num_requests, seed=args.seed, rate_scale=args.rate_scale,
-        slo=Slo(args.slo_ttft, args.slo_tpot, args.slo_attainment), admission=AdmissionKind(args.admission),
+        slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_attainment), admission=AdmissionKind(args.admission),
         fault=FaultSpec.parse(args.inject_fault) if args.inject_fault else None, progress=args.progress,
         reruns=args.reruns, starved_share=args.starved_share)
 

@@ -1,6 +1,6 @@
 """``python -m benchmarks.pd compare``: every workload and trace through the three deployments, one report.
 
-Each source (a built-in workload, or a trace file with its scaling) becomes one :class:`Trace`; the same trace
+Each source (a built-in workload, or a trace file with its scaling) becomes one :class:`TokenTrace`; the same trace
 (same arrivals, same prompts) is served by every architecture in turn, with the same engine settings and the
 same compute (``workers`` processes x ``threads_per_worker`` torch threads). Runs go source by source,
 architectures interleaved, so slow drift of a shared machine's load hits them alike. Outputs in ``out_dir``:
@@ -20,11 +20,12 @@ from pathlib import Path
 
 from benchmarks.common.machine import machine as common_machine
 from benchmarks.pd.admission import AdmissionKind, Budgeted, Budgets, Immediate
-from benchmarks.pd.costmodel import CostModel, calibrate
 from benchmarks.pd.deployment import Arch, DeploymentConfig, run
 from benchmarks.pd.fault import FaultSpec
-from benchmarks.pd.metrics import Slo, scorecard
-from benchmarks.pd.trace import WORKLOADS, Trace, TraceScaling, Workload, generate, load_trace
+from benchmarks.pd.metrics import scorecard
+from benchmarks.pd.stepmodel import StepModel, fit_step_model
+from benchmarks.pd.trace import BUILTIN_WORKLOADS, BuiltinWorkload, TokenTrace, TraceScaling, generate, load_token_trace
+from kvstore.workloads.slo import SLO
 
 _TRACE_KEYS = {"prompt": "prompt_scale", "output": "output_scale", "time": "time_scale",
                "max-prompt": "max_prompt_tokens", "max-output": "max_output_tokens"}
@@ -34,7 +35,7 @@ _TRACE_KEYS = {"prompt": "prompt_scale", "output": "output_scale", "time": "time
 class Source:
     """A built-in workload (``workload``) or a trace file (``path``, scaled by ``scaling``)."""
 
-    workload: Workload | None = None
+    workload: BuiltinWorkload | None = None
     path: Path | None = None
     scaling: TraceScaling = TraceScaling()
     num_requests: int | None = None  # None: the comparison's --num-requests
@@ -67,12 +68,12 @@ class Source:
             raise ValueError(f"trace file not found: {path}")
         return cls(path=Path(path), scaling=dataclasses.replace(default, **values), num_requests=num)
 
-    def build(self, num_requests: int, seed: int, vocab_size: int, rate_scale: float = 1.0) -> Trace:
+    def build(self, num_requests: int, seed: int, vocab_size: int, rate_scale: float = 1.0) -> TokenTrace:
         n = self.num_requests or num_requests
         if self.workload is not None:
-            rate = WORKLOADS[self.workload].rate_rps * rate_scale
+            rate = BUILTIN_WORKLOADS[self.workload].rate_rps * rate_scale
             return generate(self.workload, n, seed=seed, vocab_size=vocab_size, rate_rps=rate)
-        return load_trace(self.path, num_requests=n, seed=seed, vocab_size=vocab_size, scaling=self.scaling)
+        return load_token_trace(self.path, num_requests=n, seed=seed, vocab_size=vocab_size, scaling=self.scaling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,7 @@ class CompareConfig:
     num_requests: int = 24
     seed: int = 0
     rate_scale: float = 1.0
-    slo: Slo = Slo(ttft_s=1.5, tpot_s=0.1)
+    slo: SLO = SLO(ttft_s=1.5, tpot_s=0.1)
     admission: AdmissionKind = AdmissionKind.BUDGET
     fault: FaultSpec | None = None
     progress: bool = False
@@ -135,13 +136,13 @@ def compute_note(engine: DeploymentConfig) -> dict:
     }
 
 
-def _admission(cfg: CompareConfig, cost: CostModel | None):
+def _admission(cfg: CompareConfig, step: StepModel | None):
     if cfg.admission is AdmissionKind.NONE:
         return Immediate()
-    return Budgeted(Budgets(cfg.slo.ttft_s, cfg.slo.tpot_s), cost, cfg.engine.chunk_budget)
+    return Budgeted(Budgets(cfg.slo.ttft_s, cfg.slo.tpot_s), step, cfg.engine.chunk_budget)
 
 
-def _unique_names(traces: list[Trace]) -> list[str]:
+def _unique_names(traces: list[TokenTrace]) -> list[str]:
     seen: dict[str, int] = {}
     names = []
     for trace in traces:
@@ -169,7 +170,7 @@ def compare(cfg: CompareConfig) -> dict:
     traces = [s.build(cfg.num_requests, cfg.seed, vocab, cfg.rate_scale) for s in cfg.sources]
     for trace in traces:  # fail before the first run, not after an hour
         trace.check_fits(cfg.engine.max_request_tokens)
-    cost = calibrate(cfg.engine.model, cfg.engine.block_size) if cfg.admission is AdmissionKind.BUDGET else None
+    step = fit_step_model(cfg.engine.model, cfg.engine.block_size) if cfg.admission is AdmissionKind.BUDGET else None
     names = _unique_names(traces)
     data: dict[str, dict[str, RunData]] = {}
     with _bar(len(traces) * len(cfg.archs), cfg.progress) as bar:
@@ -177,12 +178,12 @@ def compare(cfg: CompareConfig) -> dict:
             data[name] = {}
             for arch in cfg.archs:
                 bar.set_postfix_str(f"{name} / {arch.value}")
-                data[name][arch.value] = _run_one(cfg, arch, trace, out / name / arch.value, cost)
+                data[name][arch.value] = _run_one(cfg, arch, trace, out / name / arch.value, step)
                 bar.update(1)
     host["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     doc = {
         "machine": host,
-        "setup": _setup(cfg, cost, {name: trace.describe() for name, trace in zip(names, traces, strict=True)}),
+        "setup": _setup(cfg, step, {name: trace.describe() for name, trace in zip(names, traces, strict=True)}),
         "results": {name: {arch: run.card for arch, run in by_arch.items()} for name, by_arch in data.items()},
     }
     doc["verdicts"] = verdicts(doc["results"], cfg.slo)
@@ -192,13 +193,13 @@ def compare(cfg: CompareConfig) -> dict:
     return doc
 
 
-def _run_one(cfg: CompareConfig, arch: Arch, trace: Trace, run_dir: Path, cost: CostModel | None) -> RunData:
+def _run_one(cfg: CompareConfig, arch: Arch, trace: TokenTrace, run_dir: Path, step: StepModel | None) -> RunData:
     """One run; repeated (up to ``cfg.reruns`` times) while a worker got less than ``cfg.starved_share`` of a
     core while busy. Every attempt's CPU shares stay in the card, and the report names re-run cells."""
     engine = dataclasses.replace(cfg.engine, arch=arch)
     attempts = []
     for _ in range(1 + cfg.reruns):
-        summary = run(engine, trace, run_dir, progress=cfg.progress, admission=_admission(cfg, cost),
+        summary = run(engine, trace, run_dir, progress=cfg.progress, admission=_admission(cfg, step),
                       fault=cfg.fault)
         rows = _read_jsonl(run_dir / "requests.jsonl")
         timeline = _read_jsonl(run_dir / "timeline.jsonl")
@@ -212,7 +213,7 @@ def _run_one(cfg: CompareConfig, arch: Arch, trace: Trace, run_dir: Path, cost: 
     return RunData(card, rows, timeline)
 
 
-def _setup(cfg: CompareConfig, cost: CostModel | None, traces: dict[str, dict]) -> dict:
+def _setup(cfg: CompareConfig, step: StepModel | None, traces: dict[str, dict]) -> dict:
     engine = cfg.engine.describe()
     for key in ("arch", "workers", "transport", "store", "handoff_keys"):
         engine.pop(key, None)
@@ -221,7 +222,7 @@ def _setup(cfg: CompareConfig, cost: CostModel | None, traces: dict[str, dict]) 
         "transport": cfg.engine.transport.value, "handoff_keys": "prefix" if cfg.engine.handoff_prefix_keys
         else "request",
         "slo": dataclasses.asdict(cfg.slo),
-        "admission": _admission(cfg, cost).describe(),
+        "admission": _admission(cfg, step).describe(),
         "fault": str(cfg.fault) if cfg.fault else None,
         "seed": cfg.seed, "num_requests": cfg.num_requests, "rate_scale": cfg.rate_scale,
         "reruns": {"max": cfg.reruns, "when_cpu_share_below": cfg.starved_share},

@@ -15,7 +15,6 @@ import json
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 from benchmarks.pd.admission import Admission, Immediate
@@ -27,19 +26,14 @@ from benchmarks.pd.router import Router
 from benchmarks.pd.scheduler import Policy
 from benchmarks.pd.store_daemon import StoreDaemon
 from benchmarks.pd.summary import summarize
-from benchmarks.pd.trace import Trace
+from benchmarks.pd.trace import TokenTrace
 from benchmarks.pd.transfer import StoreSpec, Transport
 from benchmarks.pd.worker import WorkerSpec
 from kvstore.workloads import runschema
+from kvstore.workloads.arch import Arch  # the one Arch, shared with the planner and run logs
 
 TIMELINE_FIELDS = ("start_s", "end_s", "prefill_tokens", "decode_tokens", "prefill_seqs", "running", "blocks_used",
                    "transfer_s")
-
-
-class Arch(Enum):
-    COLOCATED = "colocated"
-    CHUNKED = "chunked"
-    DISAGGREGATED = "disaggregated"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +118,7 @@ def _store(config: DeploymentConfig, stack: ExitStack,
     return StoreSpec(url=daemon.url, transport=config.transport, **common), daemon
 
 
-def run(config: DeploymentConfig, trace: Trace, out_dir: str | Path, *, progress: bool = False,
+def run(config: DeploymentConfig, trace: TokenTrace, out_dir: str | Path, *, progress: bool = False,
         admission: Admission | None = None, fault: FaultSpec | None = None) -> dict:
     """Serve ``trace`` on ``config``'s deployment in real time; write the outputs; return the summary.
 

@@ -45,12 +45,13 @@ from pathlib import Path
 from benchmarks.pd.compare import _unique_names
 from benchmarks.pd.deployment import Arch
 from benchmarks.pd.make_model import read_shape
-from benchmarks.pd.metrics import Slo, by_class, slo_block
+from benchmarks.pd.metrics import by_class, slo_block
 from benchmarks.pd.summary import distribution
-from benchmarks.pd.trace import Trace, TraceRequest
+from benchmarks.pd.trace import TokenRequest, TokenTrace
 from benchmarks.pd.vllm_compare import VllmCompareConfig
 from benchmarks.pd.vllm_deployment import VllmConfig
 from kvstore.router.fleet import Child, Fleet, FleetError, project_env, spawn, vllm_command, wait_http
+from kvstore.workloads.slo import SLO
 
 #: The router's pools and each instance's kv_role, per architecture.
 POOLS = {Arch.COLOCATED: (("colocated", None), ("colocated", None)),
@@ -76,7 +77,7 @@ class HttpCompareConfig(VllmCompareConfig):
 
 
 # -- fitting a trace into the context ----------------------------------------------------------------------
-def fit_trace(trace: Trace, max_model_len: int) -> tuple[Trace, dict]:
+def fit_trace(trace: TokenTrace, max_model_len: int) -> tuple[TokenTrace, dict]:
     """The trace with every request fitted into ``max_model_len`` tokens (prompt + output), and how.
 
     Rule: a request that does not fit keeps its output up to half the context, and its prompt is cut to what
@@ -123,7 +124,7 @@ def _instance_env(core: int) -> dict:
 class HttpFleet:
     """A daemon (disaggregated), two vLLM OpenAI servers and ``kvstore router``; stopped on exit."""
 
-    def __init__(self, engine: VllmConfig, arch: Arch, workdir: Path, admission: str, slo: Slo):
+    def __init__(self, engine: VllmConfig, arch: Arch, workdir: Path, admission: str, slo: SLO):
         self.engine, self.arch, self.workdir = engine, arch, workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.fleet = Fleet(str(workdir), project_env())
@@ -247,7 +248,7 @@ class ClientRow:
         return d
 
 
-async def _one(session, base: str, model: str, r: TraceRequest, t0: float, deadline_s: float) -> ClientRow:
+async def _one(session, base: str, model: str, r: TokenRequest, t0: float, deadline_s: float) -> ClientRow:
     import aiohttp
 
     row = ClientRow(r.id, r.klass, r.arrival_s, r.prompt_tokens, r.output_tokens, r.capped)
@@ -323,7 +324,7 @@ async def _read_stream(resp, row: ClientRow, t0: float) -> bool:
     return False
 
 
-async def replay(base: str, model: str, trace: Trace, deadline_s: float, t0: float) -> list[ClientRow]:
+async def replay(base: str, model: str, trace: TokenTrace, deadline_s: float, t0: float) -> list[ClientRow]:
     """Every request of ``trace`` at its arrival offset after ``t0`` (monotonic); the rows in trace order."""
     import aiohttp
 
@@ -341,14 +342,14 @@ def _warm_up(base: str, model: str, block_size: int) -> None:
     """One request through the router (first-request costs of both hops are not a run's)."""
     from benchmarks.pd.trace import TraceScaling
 
-    r = TraceRequest("warm-up", 0.0, tuple(range(3, 3 + 2 * block_size + 1)), 2, 0, 0)
-    trace = Trace("warm-up", "warm-up", (r,), TraceScaling(), 0)
+    r = TokenRequest("warm-up", 0.0, tuple(range(3, 3 + 2 * block_size + 1)), 2, 0, 0)
+    trace = TokenTrace("warm-up", "warm-up", (r,), TraceScaling(), 0)
     rows = asyncio.run(replay(base, model, trace, 300.0, time.monotonic()))
     if rows[0].lost:
         raise FleetError(f"the warm-up request through the router failed: {rows[0].errors}")
 
 
-def run_source(fleet: HttpFleet, trace: Trace, run_dir: Path, cfg: HttpCompareConfig) -> dict:
+def run_source(fleet: HttpFleet, trace: TokenTrace, run_dir: Path, cfg: HttpCompareConfig) -> dict:
     """Serve ``trace`` through the fleet's router; write the run's files; its results."""
     run_dir.mkdir(parents=True, exist_ok=True)
     model = _served_model(fleet.router_url)
@@ -382,7 +383,7 @@ def run_source(fleet: HttpFleet, trace: Trace, run_dir: Path, cfg: HttpCompareCo
     return results(dicts, cfg.slo, wall, counters, fault_block)
 
 
-def results(rows: list[dict], slo: Slo, wall_s: float, counters: dict, fault: dict | None) -> dict:
+def results(rows: list[dict], slo: SLO, wall_s: float, counters: dict, fault: dict | None) -> dict:
     done = [r for r in rows if not r["lost"] and not r["shed"]]
     duration = max((r["e2e_s"] + r["arrival_s"] for r in done if r["e2e_s"] is not None), default=wall_s)
 

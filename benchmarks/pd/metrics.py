@@ -2,10 +2,11 @@
 
 Input: the run's ``summary.json``, ``requests.jsonl`` and ``timeline.jsonl`` (deployment.py). Definitions:
 
-- SLO: a request meets it when TTFT <= ``slo.ttft_s`` and TPOT <= ``slo.tpot_s`` (one-token outputs have no
-  TPOT and are judged on TTFT). ``goodput_rps`` = such requests / the run's duration; ``attainment`` = their
-  share; a run *meets the SLOs* when every request completed and interactive attainment >= ``slo.attainment``
-  (background requests are best-effort: measured, not held to the SLO).
+- SLO: kvstore's one :class:`~kvstore.workloads.slo.SLO` and its accounting (:func:`~kvstore.workloads.slo.judge`),
+  the planner's too: a request meets it when TTFT <= ``slo.ttft_s`` and TPOT <= ``slo.tpot_s`` (one-token
+  outputs have no TPOT and are judged on TTFT). ``goodput_rps`` = such requests / the run's duration;
+  ``attainment`` = their share; a run *meets the SLOs* when every request completed and interactive attainment
+  >= ``slo.attainment`` (background requests are best-effort: measured, not held to the SLO).
 - Interference: each inter-token gap of a request (token i -> i+1) is "with prefill" when a step that ran
   prompt tokens on the same worker overlaps it. ``tpot_inflation`` = p50 gap with prefill / p50 gap without -
   1: what a running decode pays when a prefill shares its worker (0 when none ever does, e.g. disaggregated).
@@ -18,29 +19,15 @@ Input: the run's ``summary.json``, ``requests.jsonl`` and ``timeline.jsonl`` (de
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from itertools import pairwise
 
 from benchmarks.pd.summary import distribution
+from kvstore.workloads.slo import SLO, judge
 from kvstore.workloads.stats import percentile
 
 
-@dataclass(frozen=True, slots=True)
-class Slo:
-    ttft_s: float
-    tpot_s: float
-    attainment: float = 0.9  # share of interactive requests that must meet both limits
-
-    def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.tpot_s > 0):
-            raise ValueError(f"SLO limits must be > 0 s, got ttft {self.ttft_s!r}, tpot {self.tpot_s!r}")
-        if not 0 < self.attainment <= 1:
-            raise ValueError(f"SLO attainment must be in (0, 1], got {self.attainment!r}")
-
-    def met_by(self, row: dict) -> bool:
-        if row["lost"] or row["ttft_s"] is None or row["ttft_s"] > self.ttft_s:
-            return False
-        return row["tpot_s"] is None or row["tpot_s"] <= self.tpot_s
+def _met(slo: SLO, row: dict) -> bool:
+    return not row["lost"] and slo.meets(row["ttft_s"], row["tpot_s"])
 
 
 def _pcts(d: dict | None) -> dict | None:
@@ -51,26 +38,25 @@ def _p(values: list[float], q: float) -> float | None:
     return round(percentile(values, q), 6) if values else None
 
 
-def slo_block(rows: list[dict], slo: Slo, duration_s: float) -> dict:
-    met = [r for r in rows if slo.met_by(r)]
-    interactive = [r for r in rows if r["class"] != "background"]
-    attain_i = sum(slo.met_by(r) for r in interactive) / len(interactive) if interactive else 1.0
+def slo_block(rows: list[dict], slo: SLO, duration_s: float) -> dict:
+    tally = judge(slo, ((None if r["lost"] else r["ttft_s"], r["tpot_s"], r["class"]) for r in rows), duration_s,
+                  lost=sum(bool(r["lost"]) for r in rows))
     return {
-        "goodput_rps": round(len(met) / duration_s, 4) if duration_s > 0 else 0.0,
-        "attainment": round(len(met) / len(rows), 4) if rows else 0.0,
-        "attainment_interactive": round(attain_i, 4),
-        "met": all(not r["lost"] for r in rows) and attain_i >= slo.attainment,
+        "goodput_rps": round(tally.goodput_rps, 4),
+        "attainment": round(tally.attainment, 4),
+        "attainment_interactive": round(tally.attainment_interactive, 4),
+        "met": tally.meets_slo,
     }
 
 
-def by_class(rows: list[dict], slo: Slo) -> dict:
+def by_class(rows: list[dict], slo: SLO) -> dict:
     out = {}
     for klass in sorted({r["class"] for r in rows}):
         sub = [r for r in rows if r["class"] == klass and not r["lost"]]
         out[klass] = {"requests": len(sub),
                       "ttft_s": _pcts(distribution([r["ttft_s"] for r in sub if r["ttft_s"] is not None])),
                       "tpot_s": _pcts(distribution([r["tpot_s"] for r in sub if r["tpot_s"] is not None])),
-                      "attainment": round(sum(slo.met_by(r) for r in sub) / len(sub), 4) if sub else None}
+                      "attainment": round(sum(_met(slo, r) for r in sub) / len(sub), 4) if sub else None}
     return out
 
 
@@ -171,7 +157,7 @@ def cpu_share(summary: dict, timeline: list[dict]) -> dict[str, float]:
     return {w: round(min(cpu[w] / b, 1.0), 3) for w, b in busy.items() if w in cpu and b > 0}
 
 
-def scorecard(summary: dict, rows: list[dict], timeline: list[dict], slo: Slo) -> dict:
+def scorecard(summary: dict, rows: list[dict], timeline: list[dict], slo: SLO) -> dict:
     """Every metric of one architecture x workload (see the module docstring)."""
     t = summary["throughput"]
     duration = t.get("duration_s", 0.0)

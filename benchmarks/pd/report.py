@@ -104,10 +104,11 @@ def _setup_lines(doc: dict) -> list[str]:
 def _admission_line(a: dict) -> str:
     if a["policy"] == "none":
         return "none (every request sent at once to the least-loaded worker)"
+    fit = a.get("step_model") or a["cost_model"]  # "cost_model" in summaries written before the rename
     return (f"two queues with two budgets, prefill queue against TTFT {a['ttft_budget_s'] * 1000:.0f} ms, decode "
             f"queue against TPOT {a['tpot_budget_s'] * 1000:.0f} ms; interactive before background, background "
-            f"only into slack, or after waiting {a['background_max_wait_s']:g} s; step times predicted by a cost "
-            f"model fitted here (median fit error {a['cost_model']['fit_error_median'] * 100:.0f}%)")
+            f"only into slack, or after waiting {a['background_max_wait_s']:g} s; step times predicted by a step "
+            f"model fitted here (median fit error {fit['fit_error_median'] * 100:.0f}%)")
 
 
 def trace_table(doc: dict) -> tuple[list[str], list[list[str]]]:

@@ -23,7 +23,7 @@ from benchmarks.pd.fault import FaultLog, FaultSpec, choose_victim
 from benchmarks.pd.pool import WorkerPool
 from benchmarks.pd.record import RequestRecord
 from benchmarks.pd.scheduler import Policy
-from benchmarks.pd.trace import Trace, TraceRequest
+from benchmarks.pd.trace import TokenRequest, TokenTrace
 
 MAX_ATTEMPTS = 3
 ENTRY_ROLES = (Policy.PREFILL_FIRST, Policy.CHUNKED, Policy.PREFILL_ONLY)
@@ -31,7 +31,7 @@ POLL_S = 0.02  # longest pause between admission decisions while nothing arrives
 
 
 class Router:
-    def __init__(self, trace: Trace, pool: WorkerPool, roles: list[Policy], kv_bytes: Callable[[int], int],
+    def __init__(self, trace: TokenTrace, pool: WorkerPool, roles: list[Policy], kv_bytes: Callable[[int], int],
                  drain_timeout_s: float = 600.0, on_finish: Callable[[RequestRecord], None] | None = None,
                  on_begin: Callable[[], None] | None = None, *, admission: Admission | None = None,
                  fault: FaultSpec | None = None, respawn: bool = False, refetch: bool = False):
@@ -48,8 +48,8 @@ class Router:
         self.records = {r.id: RequestRecord(r.id, r.klass, r.arrival_s, r.prompt_tokens, r.output_tokens,
                                             kv_bytes(r.prompt_tokens)) for r in trace.requests}
         self.workers = {i: WorkerLoad(i, role) for i, role in enumerate(roles)}  # the live ones
-        self.prefill_queue: list[TraceRequest] = []
-        self.decode_queue: list[TraceRequest] = []
+        self.prefill_queue: list[TokenRequest] = []
+        self.decode_queue: list[TokenRequest] = []
         self.refetching: set[str] = set()
         self.unfinished = set(self.records)
         self.worker_info: list[dict] = []
@@ -109,7 +109,7 @@ class Router:
         attempt = self.records[rid].attempts
         return rid if attempt <= 1 else f"{rid}@{attempt}"
 
-    def _send_prefill(self, req: TraceRequest, worker: WorkerLoad) -> None:
+    def _send_prefill(self, req: TokenRequest, worker: WorkerLoad) -> None:
         record = self.records[req.id]
         record.attempts += 1
         if record.dispatch_s is None:
@@ -118,7 +118,7 @@ class Router:
         self._send(worker.index, "add", req={"id": self._wire_id(req.id), "prompt_ids": list(req.prompt_ids),
                                              "max_output": req.output_tokens})
 
-    def _send_decode(self, req: TraceRequest, worker: WorkerLoad) -> None:
+    def _send_decode(self, req: TokenRequest, worker: WorkerLoad) -> None:
         worker.decode[req.id] = req
         first_token = self.records[req.id].output_token_ids[0]
         self._send(worker.index, "decode", req={

@@ -23,11 +23,11 @@ from pathlib import Path
 from kvstore.planner import presets
 from kvstore.planner.calibrate import calibrate
 from kvstore.planner.deployment import deployment_of
-from kvstore.planner.metrics import SLO
 from kvstore.planner.plan import PlanConfig
 from kvstore.planner.probe import Prober
 from kvstore.planner.search import FleetSearch
 from kvstore.workloads.runlog import RunLog, read_run
+from kvstore.workloads.slo import SLO
 
 ARCHS = ("colocated", "chunked", "disaggregated")
 

@@ -1,8 +1,11 @@
-"""Request traces: seeded Poisson workloads and readers for the Mooncake and Azure 2023 formats.
+"""The small engine's view of a trace: the library's :class:`kvstore.workloads.trace.Trace`, turned into
+concrete prompt token ids (:func:`tokenize`), scaled and capped for a CPU engine.
 
-The files are read by :mod:`kvstore.workloads.tracefile`, the one reader shared with the planner (its
-length policy: 0 is read as 1, negative is an error). Every trace is a tuple of :class:`TraceRequest`
-with concrete prompt token ids, deterministic from the seed.
+There is one trace model, the library's: arrival times, prompt/output lengths, Mooncake prefix-block ids and a
+request class. Files are read by :func:`kvstore.workloads.trace.load_trace` (through
+:mod:`kvstore.workloads.tracefile`, the one reader); the built-in workloads (:func:`generate`) build the same
+model. What is pd-specific is here: a :class:`TokenTrace` of :class:`TokenRequest`, each with concrete prompt
+token ids, deterministic from the seed.
 Real traces are far larger than a CPU model can serve, so lengths and time are scaled by explicit factors
 (:class:`TraceScaling`) that end up in the run's summary. Nothing is truncated silently: a request that does
 not fit the engine is an error unless an explicit cap was asked for, and capped requests are counted.
@@ -17,18 +20,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from enum import Enum
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
-from kvstore.workloads.tracefile import MOONCAKE_BLOCK_TOKENS, TraceFormat, read_records
+from kvstore.workloads.trace import Trace, TraceRequest, read_azure, read_mooncake
+from kvstore.workloads.tracefile import MOONCAKE_BLOCK_TOKENS, TraceFormat
 
-__all__ = ["MOONCAKE_BLOCK_TOKENS", "WORKLOADS", "Trace", "TraceFormat", "TraceRequest", "TraceScaling", "Workload",
-           "WorkloadSpec", "generate", "load_trace", "read_azure", "read_mooncake"]
+__all__ = ["BUILTIN_WORKLOADS", "MOONCAKE_BLOCK_TOKENS", "BuiltinWorkload", "TokenRequest", "TokenTrace",
+           "TraceFormat", "TraceScaling", "WorkloadSpec", "generate", "load_token_trace", "tokenize"]
 
 
-class Workload(Enum):
+class BuiltinWorkload(Enum):
     SHORT = "short"
     LONG = "long"
     MIXED = "mixed"
@@ -50,12 +53,12 @@ class WorkloadSpec:
 
 
 #: default rates sized for the default model on two single-threaded workers of this class of CPU
-WORKLOADS = {
-    Workload.SHORT: WorkloadSpec(rate_rps=6.0, long_fraction=0.0),
-    Workload.LONG: WorkloadSpec(rate_rps=1.5, long_fraction=1.0),
-    Workload.MIXED: WorkloadSpec(rate_rps=3.0, long_fraction=0.25, long_klass="background"),
-    Workload.BURST: WorkloadSpec(rate_rps=3.0, long_fraction=0.25, long_output=(16, 48), long_klass="background",
-                                 burst_window_s=1.0),
+BUILTIN_WORKLOADS = {
+    BuiltinWorkload.SHORT: WorkloadSpec(rate_rps=6.0, long_fraction=0.0),
+    BuiltinWorkload.LONG: WorkloadSpec(rate_rps=1.5, long_fraction=1.0),
+    BuiltinWorkload.MIXED: WorkloadSpec(rate_rps=3.0, long_fraction=0.25, long_klass="background"),
+    BuiltinWorkload.BURST: WorkloadSpec(rate_rps=3.0, long_fraction=0.25, long_output=(16, 48),
+                                        long_klass="background", burst_window_s=1.0),
 }
 
 
@@ -87,7 +90,9 @@ class TraceScaling:
 
 
 @dataclass(frozen=True, slots=True)
-class TraceRequest:
+class TokenRequest:
+    """One request of a :class:`TokenTrace`: concrete prompt token ids, scaled (and maybe capped) lengths."""
+
     id: str
     arrival_s: float
     prompt_ids: tuple[int, ...]
@@ -103,10 +108,12 @@ class TraceRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class Trace:
+class TokenTrace:
+    """A :class:`~kvstore.workloads.trace.Trace` tokenized for an engine (:func:`tokenize`)."""
+
     name: str
     source: str
-    requests: tuple[TraceRequest, ...]
+    requests: tuple[TokenRequest, ...]
     scaling: TraceScaling
     seed: int
 
@@ -139,28 +146,49 @@ def _random_tokens(seed: int, key: int, count: int, vocab_size: int) -> list[int
     return np.random.default_rng([seed, key]).integers(0, vocab_size, count).tolist()
 
 
-def _finish(name: str, source: str, items: list[tuple], scaling: TraceScaling, seed: int) -> Trace:
-    """Apply time scaling and explicit caps to ``(arrival, prompt, output, src_prompt, src_output[, klass])``."""
+def tokenize(trace: Trace, *, seed: int = 0, vocab_size: int = 4096, scaling: TraceScaling = TraceScaling(),
+             source: str | None = None) -> TokenTrace:
+    """Give each request of ``trace`` concrete prompt token ids, scaled and capped by ``scaling``.
+
+    A request with prefix-block ids expands each block ``h`` into the same ``ceil(block_tokens * prompt_scale)``
+    tokens (so shared prefixes stay shared token for token); one without draws its tokens from ``(seed, id)``.
+    Arrival offsets start at 0 and are multiplied by ``scaling.time_scale``."""
+    block_tokens = math.ceil(trace.block_tokens * scaling.prompt_scale)
+    blocks: dict[int, list[int]] = {}
+    t0 = min(r.arrival_s for r in trace.requests)
     requests = []
-    t0 = min(item[0] for item in items) if items else 0.0
-    for i, (arrival, prompt, output, src_in, src_out, *klass) in enumerate(items):
-        capped = False
+    for r in trace.requests:
+        n_in = scaling.prompt_len(r.prompt_tokens)
+        if r.prefix_ids:
+            prompt: list[int] = []
+            for h in r.prefix_ids:
+                if h not in blocks:
+                    blocks[h] = _random_tokens(seed, h, block_tokens, vocab_size)
+                prompt.extend(blocks[h])
+            if len(prompt) < n_in:
+                raise ValueError(f"{trace.name}: request {r.id}: {len(r.prefix_ids)} hash blocks cannot hold "
+                                 f"{r.prompt_tokens} input tokens")
+            prompt = prompt[:n_in]
+        else:
+            prompt = _random_tokens(seed, r.id, n_in, vocab_size)
+        output, capped = scaling.output_len(r.output_tokens), False
         if scaling.max_prompt_tokens is not None and len(prompt) > scaling.max_prompt_tokens:
             prompt, capped = prompt[: scaling.max_prompt_tokens], True
         if scaling.max_output_tokens is not None and output > scaling.max_output_tokens:
             output, capped = scaling.max_output_tokens, True
-        requests.append(TraceRequest(f"r{i:05d}", round((arrival - t0) * scaling.time_scale, 6), tuple(prompt),
-                                     output, src_in, src_out, capped, *klass))
+        requests.append(TokenRequest(f"r{r.id:05d}", round((r.arrival_s - t0) * scaling.time_scale, 6),
+                                     tuple(prompt), output, r.prompt_tokens, r.output_tokens, capped, r.klass))
     requests.sort(key=lambda r: r.arrival_s)
-    return Trace(name, source, tuple(requests), scaling, seed)
+    return TokenTrace(trace.name, source or trace.name, tuple(requests), scaling, seed)
 
 
-def generate(workload: Workload, num_requests: int, *, seed: int = 0, vocab_size: int = 4096,
-             rate_rps: float | None = None, scaling: TraceScaling = TraceScaling()) -> Trace:
-    """A Poisson trace of ``num_requests`` requests of ``workload`` (default rate from :data:`WORKLOADS`)."""
+def generate(workload: BuiltinWorkload, num_requests: int, *, seed: int = 0, vocab_size: int = 4096,
+             rate_rps: float | None = None, scaling: TraceScaling = TraceScaling()) -> TokenTrace:
+    """A Poisson trace of ``num_requests`` requests of ``workload`` (default rate from
+    :data:`BUILTIN_WORKLOADS`), built as a library :class:`Trace` and tokenized."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
-    spec = WORKLOADS[workload]
+    spec = BUILTIN_WORKLOADS[workload]
     if rate_rps is not None:
         if rate_rps <= 0:
             raise ValueError(f"rate_rps must be > 0, got {rate_rps}")
@@ -172,16 +200,17 @@ def generate(workload: Workload, num_requests: int, *, seed: int = 0, vocab_size
         arrivals = np.cumsum(rng.exponential(1.0 / spec.rate_rps, num_requests))
         arrivals -= arrivals[0]
         longs = None
-    items = []
+    reqs = []
     for i in range(num_requests):
         is_long = rng.random() < spec.long_fraction if longs is None else bool(longs[i])
         p_lo, p_hi = spec.long_prompt if is_long else spec.short_prompt
         o_lo, o_hi = spec.long_output if is_long else spec.short_output
         src_in, src_out = int(rng.integers(p_lo, p_hi + 1)), int(rng.integers(o_lo, o_hi + 1))
-        n_in, n_out = scaling.prompt_len(src_in), scaling.output_len(src_out)
         klass = spec.long_klass if is_long else "interactive"
-        items.append((float(arrivals[i]), _random_tokens(seed, i, n_in, vocab_size), n_out, src_in, src_out, klass))
-    return _finish(workload.value, f"poisson:{workload.value}@{spec.rate_rps}rps", items, scaling, seed)
+        reqs.append(TraceRequest(i, float(arrivals[i]), src_in, src_out, klass=klass))
+    trace = Trace(name=workload.value, requests=tuple(reqs))
+    return tokenize(trace, seed=seed, vocab_size=vocab_size, scaling=scaling,
+                    source=f"poisson:{workload.value}@{spec.rate_rps}rps")
 
 
 def _burst_arrivals(rng: np.random.Generator, spec: WorkloadSpec, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -198,42 +227,13 @@ def _burst_arrivals(rng: np.random.Generator, spec: WorkloadSpec, n: int) -> tup
     return arrivals[order], longs[order]
 
 
-def read_mooncake(path: str | Path, *, num_requests: int | None = None, seed: int = 0, vocab_size: int = 4096,
-                  scaling: TraceScaling = TraceScaling()) -> Trace:
-    """Read a Mooncake jsonl trace; shared ``hash_ids`` become shared token prefixes."""
+def load_token_trace(path: str | Path, *, fmt: TraceFormat | None = None, num_requests: int | None = None,
+                     seed: int = 0, vocab_size: int = 4096, scaling: TraceScaling = TraceScaling()) -> TokenTrace:
+    """Read a trace file with the library's reader (by ``fmt`` or by its suffix: .jsonl Mooncake, .csv Azure),
+    keep its first ``num_requests`` and tokenize it."""
     path = Path(path)
-    block_tokens = math.ceil(MOONCAKE_BLOCK_TOKENS * scaling.prompt_scale)
-    blocks: dict[int, list[int]] = {}
-    items = []
-    for rec in islice(read_records(path, TraceFormat.MOONCAKE), num_requests):
-        n_in = scaling.prompt_len(rec.prompt_tokens)
-        prompt: list[int] = []
-        for h in rec.prefix_ids:
-            if h not in blocks:
-                blocks[h] = _random_tokens(seed, h, block_tokens, vocab_size)
-            prompt.extend(blocks[h])
-        if len(prompt) < n_in:
-            raise ValueError(f"{path}:{rec.line}: {len(rec.prefix_ids)} hash blocks cannot hold "
-                             f"{rec.prompt_tokens} input tokens")
-        items.append((rec.arrival_s, prompt[:n_in], scaling.output_len(rec.output_tokens),
-                      rec.prompt_tokens, rec.output_tokens))
-    return _finish(path.stem, str(path), items, scaling, seed)
-
-
-def read_azure(path: str | Path, *, num_requests: int | None = None, seed: int = 0, vocab_size: int = 4096,
-               scaling: TraceScaling = TraceScaling()) -> Trace:
-    """Read an Azure LLM inference 2023 CSV (``TIMESTAMP, ContextTokens, GeneratedTokens``)."""
-    path = Path(path)
-    items = []
-    for i, rec in enumerate(islice(read_records(path, TraceFormat.AZURE), num_requests)):
-        prompt = _random_tokens(seed, i, scaling.prompt_len(rec.prompt_tokens), vocab_size)
-        items.append((rec.arrival_s, prompt, scaling.output_len(rec.output_tokens), rec.prompt_tokens,
-                      rec.output_tokens))
-    return _finish(path.stem, str(path), items, scaling, seed)
-
-
-def load_trace(path: str | Path, *, fmt: TraceFormat | None = None, **kwargs) -> Trace:
-    """Read a trace file, by ``fmt`` or by its suffix (.jsonl: Mooncake, .csv: Azure)."""
-    path = Path(path)
-    readers = {TraceFormat.MOONCAKE: read_mooncake, TraceFormat.AZURE: read_azure}
-    return readers[fmt or TraceFormat.from_path(path)](path, **kwargs)
+    fmt = fmt or TraceFormat.from_path(path)
+    trace = read_mooncake(path) if fmt is TraceFormat.MOONCAKE else read_azure(path)
+    if num_requests is not None:
+        trace = trace.head(num_requests)
+    return tokenize(trace, seed=seed, vocab_size=vocab_size, scaling=scaling, source=str(path))

@@ -11,7 +11,7 @@ moved, the hand-off's share of TTFT, the decode queue).
 
 from __future__ import annotations
 
-from benchmarks.pd.metrics import Slo
+from kvstore.workloads.slo import SLO
 
 MiB = 1 << 20
 
@@ -35,7 +35,7 @@ def resources(card: dict) -> tuple:
     return m["model_memory_duplication"], card["transfer"]["kv_bytes_transferred"], held, round(_cpu(card), 1)
 
 
-def _miss(card: dict, slo: Slo) -> str:
+def _miss(card: dict, slo: SLO) -> str:
     """Why a run missed: the percentiles past the limits, or lost requests."""
     if card["requests"]["lost"]:
         return f"lost {card['requests']['lost']} requests"
@@ -83,7 +83,7 @@ def _starved(card: dict, below: float = 0.5) -> bool:
     return min(shares.values(), default=1.0) < below
 
 
-def verdict(by_arch: dict[str, dict], slo: Slo) -> dict:
+def verdict(by_arch: dict[str, dict], slo: SLO) -> dict:
     meets = [a for a, card in by_arch.items() if card["slo"]["met"]]
     winner = min(meets, key=lambda a: resources(by_arch[a])) if meets else None
     best = max(by_arch, key=lambda a: (by_arch[a]["slo"]["attainment_interactive"], by_arch[a]["slo"]["goodput_rps"]))
@@ -115,5 +115,5 @@ def verdict(by_arch: dict[str, dict], slo: Slo) -> dict:
             "burst": bursts, "text": text}
 
 
-def verdicts(results: dict[str, dict[str, dict]], slo: Slo) -> dict[str, dict]:
+def verdicts(results: dict[str, dict[str, dict]], slo: SLO) -> dict[str, dict]:
     return {workload: verdict(by_arch, slo) for workload, by_arch in results.items()}

@@ -8,10 +8,10 @@ from pathlib import Path
 from benchmarks.pd.deployment import Arch
 from benchmarks.pd.fault import FaultSpec
 from benchmarks.pd.make_model import LlamaShape, make_model
-from benchmarks.pd.metrics import Slo
 from benchmarks.pd.vllm_compare import VllmCompareConfig
 from benchmarks.pd.vllm_deployment import VllmConfig
 from kvstore.units import parse_size
+from kvstore.workloads.slo import SLO
 
 
 def add_vllm_args(p: argparse.ArgumentParser) -> None:
@@ -49,5 +49,5 @@ def vllm_compare_config(args: argparse.Namespace, sources: tuple, archs: tuple[A
                         start_timeout_s=args.start_timeout)
     return VllmCompareConfig(sources=sources, out_dir=args.out, engine=engine, archs=archs,
                              num_requests=args.num_requests, seed=args.seed, rate_scale=args.rate_scale,
-                             slo=Slo(args.slo_ttft, args.slo_tpot, args.slo_attainment),
+                             slo=SLO(args.slo_ttft, args.slo_tpot, args.slo_attainment),
                              fault=FaultSpec.parse(args.inject_fault) if args.inject_fault else None)

@@ -1,7 +1,7 @@
 """``python -m benchmarks.pd compare --engine vllm``: the comparison on a real vLLM (CPU).
 
 The same sources as the small engine's comparison (compare.py's :class:`Source`: built-in workloads and trace
-files, one :class:`Trace` each, sized by the model's vocabulary), served by each architecture of
+files, one :class:`TokenTrace` each, sized by the model's vocabulary), served by each architecture of
 vllm_deployment.py. Runs go architecture by architecture (a fleet of vLLM instances starts once and serves
 every source in turn; a start costs tens of seconds here), sources in the same order each time. The outputs
 are compare.py's: ``<source>/<arch>/`` per run, ``summary.json`` (the same scorecard per source x arch, the
@@ -22,10 +22,11 @@ from benchmarks.pd.compare import RunData, Source, _read_jsonl, _unique_names, m
 from benchmarks.pd.deployment import Arch
 from benchmarks.pd.fault import FaultSpec
 from benchmarks.pd.make_model import read_shape
-from benchmarks.pd.metrics import Slo, scorecard
-from benchmarks.pd.trace import Trace
+from benchmarks.pd.metrics import scorecard
+from benchmarks.pd.trace import TokenTrace
 from benchmarks.pd.vllm_deployment import Fleet, VllmConfig
 from benchmarks.pd.vllm_router import serve_trace, warm_up
+from kvstore.workloads.slo import SLO
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +38,7 @@ class VllmCompareConfig:
     num_requests: int = 8
     seed: int = 0
     rate_scale: float = 1.0
-    slo: Slo = Slo(ttft_s=1.5, tpot_s=0.1)
+    slo: SLO = SLO(ttft_s=1.5, tpot_s=0.1)
     fault: FaultSpec | None = None
 
     def __post_init__(self) -> None:
@@ -100,7 +101,7 @@ def _vllm_version() -> str:
     return "unknown"
 
 
-def _run_arch(cfg: VllmCompareConfig, arch: Arch, hf: dict, named: list[tuple[str, Trace]]) -> dict[str, RunData]:
+def _run_arch(cfg: VllmCompareConfig, arch: Arch, hf: dict, named: list[tuple[str, TokenTrace]]) -> dict[str, RunData]:
     out = Path(cfg.out_dir)
     describe = cfg.engine.describe(arch, hf)
     runs = {}

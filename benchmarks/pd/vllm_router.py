@@ -19,7 +19,7 @@ from benchmarks.pd.deployment import TIMELINE_FIELDS, Arch
 from benchmarks.pd.energy import EnergyMeter
 from benchmarks.pd.fault import FaultSpec, recovery_report
 from benchmarks.pd.summary import summarize
-from benchmarks.pd.trace import Trace
+from benchmarks.pd.trace import TokenTrace
 from benchmarks.pd.vllm_deployment import Fleet, VllmConfig, VllmRecord
 from benchmarks.pd.vllm_fault import FaultInjector
 
@@ -27,7 +27,7 @@ from benchmarks.pd.vllm_fault import FaultInjector
 class _Serving:
     """One trace's state: records, what each instance has outstanding, the events handled."""
 
-    def __init__(self, fleet: Fleet, trace: Trace, kv_bytes_per_token: int, fault: FaultSpec | None = None):
+    def __init__(self, fleet: Fleet, trace: TokenTrace, kv_bytes_per_token: int, fault: FaultSpec | None = None):
         self.fleet, self.trace = fleet, trace
         self.disagg = fleet.arch is Arch.DISAGGREGATED
         self.records = {r.id: VllmRecord(r.id, r.klass, r.arrival_s, r.prompt_tokens, r.output_tokens,
@@ -185,7 +185,7 @@ def _worker_info(fleet: Fleet, stats: list[dict], config: VllmConfig) -> list[di
     return info
 
 
-def serve_trace(fleet: Fleet, config: VllmConfig, trace: Trace, out_dir: Path, describe: dict,
+def serve_trace(fleet: Fleet, config: VllmConfig, trace: TokenTrace, out_dir: Path, describe: dict,
                 fault: FaultSpec | None = None) -> dict:
     """Serve ``trace`` on the running ``fleet``; write the run's outputs into ``out_dir``; return its summary."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,6 @@ from kvstore.planner.calibrate import calibrate, compare_run
 from kvstore.planner.costmodel import CostModel, TransferModel
 from kvstore.planner.crossover import bandwidth_crossover, prompt_crossover
 from kvstore.planner.deployment import Arch
-from kvstore.planner.metrics import SLO
 from kvstore.planner.plan import PlanConfig, Planner
 from kvstore.planner.report import render, to_json, write_json
 from kvstore.planner.search import search
@@ -34,6 +33,7 @@ from kvstore.planner.specs import Efficiency, LinkSpec
 from kvstore.planner.thresholds import handoff_thresholds
 from kvstore.planner.verdict import decide
 from kvstore.workloads.runlog import read_run
+from kvstore.workloads.slo import SLO
 from kvstore.workloads.trace import Trace, get_workload, load_trace, poisson
 
 DEFAULT_LINK = "rdma-100g"

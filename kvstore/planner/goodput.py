@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kvstore.planner.costmodel import CostModel, TransferModel, prefill_pairs
 from kvstore.planner.deployment import Arch
-from kvstore.planner.metrics import SLO
+from kvstore.workloads.slo import SLO
 from kvstore.workloads.trace import Trace
 
 

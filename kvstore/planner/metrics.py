@@ -1,4 +1,7 @@
-"""Per-request results of a simulation and the aggregate metrics the planner reports."""
+"""Per-request results of a simulation and the aggregate metrics the planner reports.
+
+The SLO and its accounting (attainment, goodput, "meets the SLO") are :mod:`kvstore.workloads.slo`, the
+same as the measured comparison's in ``benchmarks/pd``."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvstore.workloads.slo import SLO, judge
 from kvstore.workloads.stats import percentile
 
 if TYPE_CHECKING:
@@ -45,27 +49,7 @@ class RequestResult:
     token_times_s: tuple[float, ...] | None = None
 
     def meets(self, slo: SLO) -> bool:
-        if self.rejected:
-            return False
-        return self.ttft_s <= slo.ttft_s and (self.tpot_s is None or self.tpot_s <= slo.tpot_s)
-
-
-@dataclass(frozen=True, slots=True)
-class SLO:
-    """Latency limits per request, and the share of requests that must meet both for a deployment to
-    count as meeting the SLO (DistServe's "SLO attainment")."""
-
-    ttft_s: float = 2.0
-    tpot_s: float = 0.1
-    attainment: float = 0.9
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_s", "tpot_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise ValueError(f"SLO {name} must be a finite number of seconds > 0, got {value!r}")
-        if not 0 < self.attainment <= 1:
-            raise ValueError(f"SLO attainment must be in (0, 1], got {self.attainment!r}")
+        return not self.rejected and slo.meets(self.ttft_s, self.tpot_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +145,8 @@ def summarize(result: SimResult, slo: SLO) -> Metrics:
     decoding = [r for r in done if r.tpot_s is not None]
     shares = [r.stall_s / (r.tpot_s * (r.output_tokens - 1)) for r in decoding if r.tpot_s > 0]
     clean = [r.tpot_s - r.stall_s / (r.output_tokens - 1) for r in decoding]
-    met = sum(r.meets(slo) for r in result.requests)
-    attainment = met / len(result.requests)
+    tally = judge(slo, ((None if r.rejected else r.ttft_s, r.tpot_s, "interactive") for r in result.requests),
+                  duration)
     front = dep.prefill_workers if dep.arch.value == "disaggregated" else dep.workers
     back = dep.decode_workers
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: NAN)
@@ -192,8 +176,8 @@ def summarize(result: SimResult, slo: SLO) -> Metrics:
         interference_share_of_tpot=float(np.mean(shares)) if shares else 0.0,
         prefill_utilization=(result.prefill_busy_s / (front * duration)) if duration > 0 else NAN,
         decode_utilization=(result.decode_busy_s / (back * duration)) if duration > 0 and back else NAN,
-        slo_attainment=attainment,
-        goodput_rps=per_s(met),
+        slo_attainment=tally.attainment,
+        goodput_rps=tally.goodput_rps,
         slo_ratio=max(ttft_p90 / slo.ttft_s if ttft else math.inf, tpot_p90 / slo.tpot_s if tpot else 0.0),
-        meets_slo=attainment >= slo.attainment,
+        meets_slo=tally.meets_slo,
     )

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 from kvstore.planner.costmodel import CostModel, TransferModel, min_tp
 from kvstore.planner.deployment import Arch, Deployment
-from kvstore.planner.metrics import SLO, Metrics, summarize
+from kvstore.planner.metrics import Metrics, summarize
 from kvstore.planner.presets import CALIBRATED, cost_model_for, transfer_for
 from kvstore.planner.simulator import SimResult, Simulator
 from kvstore.planner.specs import Efficiency, GPUSpec, LinkSpec, ModelSpec
+from kvstore.workloads.slo import SLO
 from kvstore.workloads.trace import Trace
 
 MIN_KV_TOKENS = 32768  # auto tp keeps at least this much KV room per worker (or the longest request)

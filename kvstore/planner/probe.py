@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 
 from kvstore.planner.costmodel import CostModel, TransferModel
 from kvstore.planner.deployment import Arch, Deployment
-from kvstore.planner.metrics import SLO, Metrics, summarize
+from kvstore.planner.metrics import Metrics, summarize
 from kvstore.planner.plan import PlanConfig
 from kvstore.planner.simulator import Simulator
+from kvstore.workloads.slo import SLO
 from kvstore.workloads.trace import Trace
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import itertools
 
 from kvstore.planner.costmodel import prefill_pairs
-from kvstore.planner.worker import SimRequest, Worker
+from kvstore.planner.worker import SimRequest, SimWorker
 
 
-class ColocatedWorker(Worker):
+class ColocatedWorker(SimWorker):
     """Prefill-first: waiting prompts run (batched) before the next decode step, pausing the decodes."""
 
     def _plan(self, now: float) -> None:
@@ -37,7 +37,7 @@ class ColocatedWorker(Worker):
             self._first_token(req, now)
 
 
-class ChunkedWorker(Worker):
+class ChunkedWorker(SimWorker):
     """Sarathi-style: each step spends a token budget on every running decode, then on prompt chunks."""
 
     def __init__(self, *args, **kwargs):
@@ -120,7 +120,7 @@ class ChunkedWorker(Worker):
                 self._first_token(req, now)
 
 
-class PrefillWorker(Worker):
+class PrefillWorker(SimWorker):
     """Disaggregated prefill: batched prompts only; the KV stays here until its transfer completes."""
 
     def _admit_tokens(self, req: SimRequest) -> int:
@@ -163,7 +163,7 @@ class PrefillWorker(Worker):
             self.sim.on_prefilled(req, now)
 
 
-class DecodeWorker(Worker):
+class DecodeWorker(SimWorker):
     """Disaggregated decode: a request whose KV has arrived is admitted at the next step boundary, and
     its first token (computed by the prefill worker) is delivered then, as a P/D engine's decode side
     streams the response."""

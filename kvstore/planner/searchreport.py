@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 from kvstore.planner.deployment import Arch
-from kvstore.planner.metrics import SLO, Metrics
+from kvstore.planner.metrics import Metrics
 from kvstore.planner.search import ArchPlan, SearchResult
 from kvstore.planner.thresholds import HandoffThresholds
+from kvstore.workloads.slo import SLO
 
 
 def _ms(x: float) -> str:
@@ -17,7 +18,7 @@ def _ms(x: float) -> str:
 
 
 def _slo_text(slo: SLO) -> str:
-    return f"TTFT <= {slo.ttft_s:g} s and TPOT <= {_ms(slo.tpot_s)} for {slo.attainment:.0%} of requests"
+    return slo.describe()
 
 
 def table(result: SearchResult) -> list[str]:

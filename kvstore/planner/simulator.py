@@ -22,7 +22,7 @@ from kvstore.planner.costmodel import CostModel, TransferModel
 from kvstore.planner.deployment import Arch, Deployment
 from kvstore.planner.metrics import GapHistogram, RequestResult
 from kvstore.planner.roles import ChunkedWorker, ColocatedWorker, DecodeWorker, PrefillWorker
-from kvstore.planner.worker import SimRequest, Worker
+from kvstore.planner.worker import SimRequest, SimWorker
 from kvstore.workloads.trace import Trace
 
 
@@ -100,9 +100,9 @@ class Simulator:
         cache_tokens = dep.prefix_cache_tokens
         blocks = int(cache_tokens // self.trace.block_tokens) if cache_tokens else 0
         if dep.arch is Arch.DISAGGREGATED:
-            self.front: list[Worker] = [PrefillWorker(i, self, cost.kv_capacity_tokens, blocks)
+            self.front: list[SimWorker] = [PrefillWorker(i, self, cost.kv_capacity_tokens, blocks)
                                         for i in range(dep.prefill_workers)]
-            self.back: list[Worker] = [DecodeWorker(dep.prefill_workers + i, self, cost.kv_capacity_tokens)
+            self.back: list[SimWorker] = [DecodeWorker(dep.prefill_workers + i, self, cost.kv_capacity_tokens)
                                        for i in range(dep.decode_workers)]
         else:
             kind = ChunkedWorker if dep.arch is Arch.CHUNKED else ColocatedWorker
@@ -121,7 +121,7 @@ class Simulator:
             req.rejected = True
             return
 
-        def key(w: Worker) -> tuple:
+        def key(w: SimWorker) -> tuple:
             cached = w.cache.match(req.spec.prefix_ids) if w.cache is not None else 0
             return (-cached, w.outstanding, w.id)
 
@@ -161,7 +161,7 @@ class Simulator:
             dst.incoming += 1
             self.at(end, self._transfer_done, req, dst)
 
-    def _transfer_done(self, now: float, req: SimRequest, dst: Worker) -> None:
+    def _transfer_done(self, now: float, req: SimRequest, dst: SimWorker) -> None:
         req.t_transfer_end = now
         src = req.src
         src.release(req.prompt)
@@ -170,7 +170,7 @@ class Simulator:
         dst.arrive(req, now)
         src.poke(now)
 
-    def on_finish(self, req: SimRequest, worker: Worker, now: float) -> None:
+    def on_finish(self, req: SimRequest, worker: SimWorker, now: float) -> None:
         if self._decode_queue:
             self._dispatch(now)
 

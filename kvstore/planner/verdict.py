@@ -52,7 +52,7 @@ def decide(planner: Planner, ev: Evaluation) -> Verdict:
         fewest[arch] = found[0] if found else None
     meeting = [a for a, g in fewest.items() if g is not None]
     slo = planner.config.slo
-    limits = f"TTFT <= {slo.ttft_s:g} s and TPOT <= {_ms(slo.tpot_s)} for {slo.attainment:.0%} of requests"
+    limits = slo.describe()
     if meeting:
         winner = max(meeting, key=lambda a: (-fewest[a], rank(ev.metrics[a]), _SIMPLICITY[a]))
         others = ", ".join(f"{a.value} needs {fewest[a]}" if fewest[a] else f"{a.value} cannot with "

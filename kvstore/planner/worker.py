@@ -3,7 +3,7 @@
 
 Every worker owns a prefill queue, a decode batch and a KV budget. Runs of pure decode steps are
 simulated as one *span* (k steps at once, with the context growing by the batch size each step), ended
-early at the next step boundary when new work arrives (:meth:`Worker.poke`), so a simulation costs
+early at the next step boundary when new work arrives (:meth:`SimWorker.poke`), so a simulation costs
 O(events), not O(steps). Prefill steps are simulated one at a time; consecutive chunked steps that
 spend the whole budget on one prompt are planned together (see ChunkedWorker).
 
@@ -44,13 +44,13 @@ class SimRequest:
         self.t_first = self.t_join = self.t_last = math.nan
         self.publish_s = 0.0
         self.finish_step = 0
-        self.src: Worker | None = None
+        self.src: SimWorker | None = None
         self.tokens: list[float] | None = None
         self.rejected = False
         self.stall0 = self.stall = 0.0  # worker stall clock at join; stall seen while decoding
 
 
-class Worker:
+class SimWorker:
     """Decode machinery, KV budget and step bookkeeping shared by every role."""
 
     does_prefill = True

@@ -1,7 +1,8 @@
 """Request traces for the planner: the Mooncake and Azure 2023 formats, and a built-in Poisson generator.
 
-The files are read by :mod:`kvstore.workloads.tracefile` (the one reader, shared with the small engine in
-``benchmarks/pd``); this module builds the planner's model from its records. A trace is arrival times plus
+The one trace model of kvstore, used by the planner and by the measured comparison in ``benchmarks/pd``
+(which tokenizes it: ``benchmarks.pd.trace.tokenize``). The files are read by
+:mod:`kvstore.workloads.tracefile`; this module builds the model from its records. A trace is arrival times plus
 prompt/output lengths, and optionally prefix-block ids (Mooncake's
 ``hash_ids``: one id per ``block_tokens`` prompt tokens; equal ids across requests are a shared prefix).
 Scaling is explicit (:meth:`Trace.scaled`) and recorded on the trace so reports can print it; nothing is
@@ -30,6 +31,7 @@ class TraceRequest:
     prompt_tokens: int
     output_tokens: int
     prefix_ids: tuple[int, ...] = ()
+    klass: str = "interactive"  # request class: "background" requests are best-effort in benchmarks/pd
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:

@@ -1,9 +1,8 @@
 """The one reader of request-trace files: Mooncake JSONL and Azure LLM inference 2023 CSV.
 
 It yields :class:`TraceRecord` (one request as the file states it: absolute arrival in seconds, token
-lengths, prefix-block ids), in file order. Both trace models are built from these records: the planner's
-(:mod:`kvstore.workloads.trace`) and the small engine's (``benchmarks/pd/trace.py``, which adds token ids,
-scaling and caps).
+lengths, prefix-block ids), in file order. The one trace model (:mod:`kvstore.workloads.trace`) is built from
+these records; the small engine (``benchmarks/pd/trace.py``) tokenizes that model (token ids, scaling, caps).
 
 Lengths. A length of 0 is clamped to 1 and the record says so (``clamped``); a negative length, or one that
 is not an integer, is refused with the file and line. Why: real traces record 0 for requests that still ran

@@ -13,24 +13,25 @@ from paths import TRACES
 
 from benchmarks.pd.admission import Budgeted, Budgets, Immediate, WorkerLoad
 from benchmarks.pd.compare import CompareConfig, Source
-from benchmarks.pd.costmodel import CostModel
 from benchmarks.pd.deployment import Arch, DeploymentConfig, run
 from benchmarks.pd.energy import NOT_MEASURED, EnergyMeter, _Rapl
 from benchmarks.pd.fault import FaultKind, FaultLog, FaultSpec, choose_victim, recovery_report
-from benchmarks.pd.metrics import Slo, burst, interference
+from benchmarks.pd.metrics import burst, interference, slo_block
 from benchmarks.pd.model import MODEL_PRESETS
 from benchmarks.pd.router import Router
 from benchmarks.pd.scheduler import Policy
-from benchmarks.pd.trace import TraceRequest, TraceScaling, Workload, generate
+from benchmarks.pd.stepmodel import StepModel
+from benchmarks.pd.trace import BuiltinWorkload, TokenRequest, TraceScaling, generate
 from benchmarks.pd.verdict import verdict
+from kvstore.workloads.slo import SLO
 
 TINY = MODEL_PRESETS["tiny"]
 #: prefill of n tokens takes n ms; a decode step 10 ms + 1 ms per sequence (context ignored)
-COST = CostModel(prefill=(0.0, 0.001, 0.0), decode=(0.010, 0.001, 0.0))
+STEPS = StepModel(prefill=(0.0, 0.001, 0.0), decode=(0.010, 0.001, 0.0))
 
 
 def _req(rid: str, prompt: int = 100, output: int = 10, klass: str = "interactive", arrival: float = 0.0):
-    return TraceRequest(rid, arrival, tuple(range(prompt)), output, prompt, output, klass=klass)
+    return TokenRequest(rid, arrival, tuple(range(prompt)), output, prompt, output, klass=klass)
 
 
 # -- admission control -----------------------------------------------------------------------------------
@@ -44,7 +45,7 @@ def test_immediate_sends_the_oldest_request_to_the_least_loaded_worker() -> None
 
 
 def test_prefill_queue_holds_interactive_requests_against_the_ttft_budget() -> None:
-    policy = Budgeted(Budgets(ttft_s=0.5, tpot_s=0.1), COST)
+    policy = Budgeted(Budgets(ttft_s=0.5, tpot_s=0.1), STEPS)
     w = WorkerLoad(0, Policy.PREFILL_ONLY)
     first = _req("first", prompt=400)
     assert policy.next_prefill([first], [w], 0.0) == (first, w)  # empty worker: always
@@ -58,7 +59,7 @@ def test_prefill_queue_holds_interactive_requests_against_the_ttft_budget() -> N
 
 
 def test_background_requests_only_fill_slack() -> None:
-    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.1, background_max_wait_s=30.0), COST)
+    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.1, background_max_wait_s=30.0), STEPS)
     doc, chat = _req("doc", prompt=800, klass="background"), _req("chat", prompt=50, arrival=1.0)
     colocated = WorkerLoad(0, Policy.PREFILL_FIRST)
     assert policy.next_prefill([doc, chat], [colocated], 1.0) == (chat, colocated)  # interactive overtakes
@@ -77,7 +78,7 @@ def test_background_requests_only_fill_slack() -> None:
 
 
 def test_decode_queue_holds_requests_against_the_tpot_budget() -> None:
-    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.015), COST)  # room for 5 sequences (10 ms + 1 ms each)
+    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.015), STEPS)  # room for 5 sequences (10 ms + 1 ms each)
     w = WorkerLoad(0, Policy.DECODE_ONLY)
     for i in range(5):
         req = _req(f"d{i}")
@@ -132,9 +133,9 @@ class RecordingPool:
 
 def test_router_admits_interactive_requests_ahead_of_a_background_burst() -> None:
     reqs = [_req(f"bg{i}", 500, 4, "background") for i in range(3)] + [_req(f"i{i}", 50, 4) for i in range(3)]
-    trace = dataclasses.replace(generate(Workload.SHORT, 1), requests=tuple(reqs))
+    trace = dataclasses.replace(generate(BuiltinWorkload.SHORT, 1), requests=tuple(reqs))
     pool = RecordingPool()
-    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.1), COST)
+    policy = Budgeted(Budgets(ttft_s=1.0, tpot_s=0.1), STEPS)
     records, _ = Router(trace, pool, [Policy.PREFILL_ONLY, Policy.DECODE_ONLY], lambda n: n, admission=policy).run()
     assert all(r.finished for r in records)
     prefills = [rid for _, op, rid in pool.sent if op == "add"]
@@ -179,7 +180,7 @@ def test_decode_crash_loses_nothing(tmp_path: Path, arch: Arch) -> None:
 
     from benchmarks.pd.model import LlamaModel
 
-    base = generate(Workload.SHORT, 8, seed=5, vocab_size=TINY.vocab_size, rate_rps=20.0)
+    base = generate(BuiltinWorkload.SHORT, 8, seed=5, vocab_size=TINY.vocab_size, rate_rps=20.0)
     trace = dataclasses.replace(base, requests=tuple(dataclasses.replace(r, output_tokens=300)
                                                      for r in base.requests))
     cfg = DeploymentConfig(arch, model=TINY, num_blocks=512, chunk_budget=64, prefill_batch_tokens=256)
@@ -252,7 +253,7 @@ def _card(met: bool, moved: int, attain: float = 1.0) -> dict:
 
 
 def test_verdict_picks_the_cheapest_architecture_that_meets_the_slos() -> None:
-    slo = Slo(1.0, 0.1)
+    slo = SLO(1.0, 0.1)
     v = verdict({"colocated": _card(False, 0, 0.5), "chunked": _card(True, 0), "disaggregated": _card(True, 1 << 20)},
                 slo)
     assert v["winner"] == "chunked" and v["meets_slo"] == ["chunked", "disaggregated"]
@@ -261,12 +262,13 @@ def test_verdict_picks_the_cheapest_architecture_that_meets_the_slos() -> None:
     assert v["winner"] is None and v["closest"] == "disaggregated" and "no architecture" in v["text"]
 
 
-def test_slo_judges_each_request_on_both_limits() -> None:
-    slo = Slo(1.0, 0.1)
-    assert slo.met_by({"lost": False, "ttft_s": 0.5, "tpot_s": None})  # one output token: no TPOT
-    assert not slo.met_by({"lost": False, "ttft_s": 0.5, "tpot_s": 0.2})
-    with pytest.raises(ValueError, match="attainment"):
-        Slo(1.0, 0.1, attainment=1.5)
+def test_slo_block_holds_interactive_requests_to_the_slo_and_loses_none() -> None:
+    slo = SLO(1.0, 0.1, attainment=0.5)
+    row = {"lost": False, "ttft_s": 0.5, "tpot_s": None, "class": "interactive"}  # one output token: no TPOT
+    slow_bg = {**row, "tpot_s": 0.2, "class": "background"}
+    block = slo_block([row, slow_bg], slo, duration_s=2.0)
+    assert block == {"goodput_rps": 0.5, "attainment": 0.5, "attainment_interactive": 1.0, "met": True}
+    assert not slo_block([row, {**row, "lost": True}], slo, duration_s=2.0)["met"]  # a lost request
 
 
 # -- energy ----------------------------------------------------------------------------------------------
@@ -293,7 +295,7 @@ def test_energy_is_never_an_estimate() -> None:
 
 # -- traces and sources ----------------------------------------------------------------------------------
 def test_burst_workload_is_interactive_traffic_plus_a_background_burst() -> None:
-    trace = generate(Workload.BURST, 40, seed=1)
+    trace = generate(BuiltinWorkload.BURST, 40, seed=1)
     bg = [r for r in trace.requests if r.klass == "background"]
     assert len(bg) == 10 and all(r.prompt_tokens >= 640 for r in bg)
     assert max(r.arrival_s for r in bg) - min(r.arrival_s for r in bg) <= 1.0

@@ -23,7 +23,7 @@ from benchmarks.pd.pool import InlinePool
 from benchmarks.pd.request import Phase, Request
 from benchmarks.pd.router import Router
 from benchmarks.pd.scheduler import Policy, Scheduler, SchedulerConfig
-from benchmarks.pd.trace import TraceFormat, TraceScaling, Workload, generate, load_trace, read_azure, read_mooncake
+from benchmarks.pd.trace import BuiltinWorkload, TraceFormat, TraceScaling, generate, load_token_trace
 from kvstore.workloads import runschema
 
 TINY = MODEL_PRESETS["tiny"]
@@ -335,7 +335,7 @@ class ScriptedPool:
 
 
 def test_router_recomputes_a_request_whose_hand_off_failed() -> None:
-    trace = generate(Workload.SHORT, 2, seed=0, vocab_size=64, rate_rps=1000.0)
+    trace = generate(BuiltinWorkload.SHORT, 2, seed=0, vocab_size=64, rate_rps=1000.0)
     pool = ScriptedPool()
     records, _ = Router(trace, pool, [Policy.PREFILL_ONLY, Policy.DECODE_ONLY], lambda n: n).run()
     assert all(r.finished and r.recomputed == 1 and not r.lost for r in records)
@@ -362,7 +362,7 @@ class LosingPool(ScriptedPool):
 
 
 def test_router_moves_a_dead_replicas_requests_to_the_survivor() -> None:
-    trace = generate(Workload.SHORT, 3, seed=0, vocab_size=64, rate_rps=1000.0)
+    trace = generate(BuiltinWorkload.SHORT, 3, seed=0, vocab_size=64, rate_rps=1000.0)
     pool = LosingPool()
     records, _ = Router(trace, pool, [Policy.CHUNKED, Policy.CHUNKED], lambda n: n).run()
     assert all(r.finished and not r.lost and r.prefill_worker == 1 for r in records)
@@ -372,13 +372,13 @@ def test_router_moves_a_dead_replicas_requests_to_the_survivor() -> None:
 
 # -- traces ----------------------------------------------------------------------------------------------
 def test_generated_workloads_are_seeded_and_poisson() -> None:
-    a, b = generate(Workload.MIXED, 200, seed=5), generate(Workload.MIXED, 200, seed=5)
-    assert a == b and a != generate(Workload.MIXED, 200, seed=6)
+    a, b = generate(BuiltinWorkload.MIXED, 200, seed=5), generate(BuiltinWorkload.MIXED, 200, seed=5)
+    assert a == b and a != generate(BuiltinWorkload.MIXED, 200, seed=6)
     arrivals = [r.arrival_s for r in a.requests]
     assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
     assert 2.0 < len(arrivals) / arrivals[-1] < 4.5  # about the mixed default of 3 requests/s
     assert {r.klass for r in a.requests} == {"interactive", "background"}
-    longs = generate(Workload.LONG, 20, seed=5)
+    longs = generate(BuiltinWorkload.LONG, 20, seed=5)
     assert min(r.prompt_tokens for r in longs.requests) >= 640
 
 
@@ -387,7 +387,7 @@ def test_mooncake_reader_replays_shared_hash_ids_as_shared_prefixes() -> None:
     path = TRACES / "mooncake_synthetic_trace.jsonl"
     raw = [json.loads(line) for line in path.open().readlines()[:300]]
     scaling = TraceScaling(prompt_scale=0.01, output_scale=0.5, time_scale=0.1)
-    trace = read_mooncake(path, num_requests=300, scaling=scaling)
+    trace = load_token_trace(path, num_requests=300, scaling=scaling)
     assert len(trace.requests) == 300 and trace.describe()["prompt_scale"] == 0.01
     block = math.ceil(512 * 0.01)
     by_first: dict[int, list[int]] = {}
@@ -408,14 +408,14 @@ def test_mooncake_reader_replays_shared_hash_ids_as_shared_prefixes() -> None:
 @pytest.mark.skipif(not TRACES.exists(), reason="sample traces not present")
 def test_azure_reader_scales_and_caps_explicitly() -> None:
     path = TRACES / "azure_llm_code_2023.csv"
-    trace = load_trace(path, num_requests=50, scaling=TraceScaling(prompt_scale=0.1, max_prompt_tokens=300))
+    trace = load_token_trace(path, num_requests=50, scaling=TraceScaling(prompt_scale=0.1, max_prompt_tokens=300))
     assert TraceFormat.from_path(path) is TraceFormat.AZURE and len(trace.requests) == 50
     first = trace.requests[0]
     assert (first.source_prompt_tokens, first.source_output_tokens) == (4808, 10)
     assert first.prompt_tokens == 300 and first.capped  # 480 scaled tokens, capped at 300 and counted
     assert trace.capped_requests == sum(round(r.source_prompt_tokens * 0.1) > 300 for r in trace.requests) > 0
     assert trace.requests[1].arrival_s == pytest.approx(0.052)
-    uncapped = read_azure(path, num_requests=50, scaling=TraceScaling(prompt_scale=0.1))
+    uncapped = load_token_trace(path, num_requests=50, scaling=TraceScaling(prompt_scale=0.1))
     with pytest.raises(ValueError, match="needs 481\\+10 tokens"):
         uncapped.check_fits(400)
 
@@ -424,12 +424,12 @@ def test_trace_readers_reject_bad_input(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 900, "output_length": 2, "hash_ids": [1]}\n')
     with pytest.raises(ValueError, match="cannot hold 900"):
-        read_mooncake(bad)
+        load_token_trace(bad)
     bad.write_text('{"timestamp": 0, "input_length": 9}\n')
     with pytest.raises(ValueError, match="output_length"):
-        read_mooncake(bad)
+        load_token_trace(bad)
     with pytest.raises(ValueError, match="trace format"):
-        load_trace(tmp_path / "t.parquet")
+        load_token_trace(tmp_path / "t.parquet")
     with pytest.raises(ValueError, match="time_scale"):
         TraceScaling(time_scale=0)
 
@@ -444,7 +444,7 @@ def _deploy(arch: Arch, **kw) -> DeploymentConfig:
 
 
 def test_inline_disaggregated_with_a_local_port(tiny_model: LlamaModel) -> None:
-    trace = generate(Workload.SHORT, 5, seed=2, vocab_size=TINY.vocab_size, rate_rps=200.0)
+    trace = generate(BuiltinWorkload.SHORT, 5, seed=2, vocab_size=TINY.vocab_size, rate_rps=200.0)
     port = LocalPort()
     cfg = _deploy(Arch.DISAGGREGATED, inline=True)
     pool = InlinePool(cfg.worker_specs(None), ports={0: port, 1: port})
@@ -475,7 +475,7 @@ def test_cli_run_writes_requests_and_summary(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_greedy_outputs_identical_across_architectures(tmp_path: Path, tiny_model: LlamaModel) -> None:
     """The same trace and seed through real worker processes: the hand-off loses nothing."""
-    trace = generate(Workload.SHORT, 6, seed=3, vocab_size=TINY.vocab_size, rate_rps=30.0)
+    trace = generate(BuiltinWorkload.SHORT, 6, seed=3, vocab_size=TINY.vocab_size, rate_rps=30.0)
     reference = {r.id: greedy_reference(tiny_model, list(r.prompt_ids), r.output_tokens) for r in trace.requests}
     archs = [Arch.COLOCATED, Arch.CHUNKED] + ([Arch.DISAGGREGATED] if _has_handoff() else [])
     for arch in archs:
@@ -497,7 +497,7 @@ def test_greedy_outputs_identical_across_architectures(tmp_path: Path, tiny_mode
 
 @needs_handoff
 def test_inline_disaggregated_through_an_embedded_store(tmp_path: Path, tiny_model: LlamaModel) -> None:
-    trace = generate(Workload.SHORT, 4, seed=4, vocab_size=TINY.vocab_size, rate_rps=100.0)
+    trace = generate(BuiltinWorkload.SHORT, 4, seed=4, vocab_size=TINY.vocab_size, rate_rps=100.0)
     summary = run(_deploy(Arch.DISAGGREGATED, inline=True), trace, tmp_path)
     rows = _rows(tmp_path)
     for row, req in zip(rows, trace.requests, strict=True):
@@ -509,7 +509,7 @@ def test_inline_disaggregated_through_an_embedded_store(tmp_path: Path, tiny_mod
 @pytest.mark.parametrize("prefix_keys", [False, True])
 def test_shared_prefixes_hand_off_without_recompute(tmp_path: Path, tiny_model: LlamaModel, prefix_keys: bool) -> None:
     """Mooncake-style traffic: concurrent requests whose prompts share their first 70 tokens."""
-    trace = generate(Workload.SHORT, 4, seed=4, vocab_size=TINY.vocab_size, rate_rps=1000.0)
+    trace = generate(BuiltinWorkload.SHORT, 4, seed=4, vocab_size=TINY.vocab_size, rate_rps=1000.0)
     shared = _prompt(70, seed=9)
     trace = dataclasses.replace(trace, requests=tuple(
         dataclasses.replace(r, prompt_ids=tuple(shared) + r.prompt_ids[:10]) for r in trace.requests))

@@ -11,9 +11,9 @@ from benchmarks.pd.search_check import check, measured_attainment
 from kvstore.planner import presets
 from kvstore.planner.costmodel import TransferModel
 from kvstore.planner.deployment import Arch, Deployment
-from kvstore.planner.metrics import SLO
 from kvstore.planner.simulator import Simulator
 from kvstore.workloads.runlog import read_run, write_run
+from kvstore.workloads.slo import SLO
 from kvstore.workloads.trace import get_workload, poisson
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,11 +18,12 @@ from kvstore.planner.cli import main
 from kvstore.planner.costmodel import CostModel, TransferModel, decode_span_s, from_specs, min_tp, steps_to_cover
 from kvstore.planner.crossover import bandwidth_crossover, prompt_crossover
 from kvstore.planner.deployment import Arch, Deployment
-from kvstore.planner.metrics import SLO, summarize
+from kvstore.planner.metrics import summarize
 from kvstore.planner.plan import PlanConfig, Planner
 from kvstore.planner.simulator import Simulator
 from kvstore.planner.verdict import decide
 from kvstore.workloads.runlog import read_run
+from kvstore.workloads.slo import SLO
 from kvstore.workloads.trace import (
     Trace,
     TraceRequest,

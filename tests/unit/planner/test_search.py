@@ -14,12 +14,12 @@ from kvstore.planner.cli import main
 from kvstore.planner.costmodel import CostModel
 from kvstore.planner.deployment import Arch
 from kvstore.planner.goodput import bisect_rate, ceiling, work_bounds
-from kvstore.planner.metrics import SLO
 from kvstore.planner.plan import PlanConfig
 from kvstore.planner.probe import Prober, allowed_misses, trace_rate
 from kvstore.planner.search import FleetSearch, search
 from kvstore.planner.searchreport import router_config
 from kvstore.planner.thresholds import handoff_thresholds
+from kvstore.workloads.slo import SLO
 from kvstore.workloads.trace import Trace, TraceRequest, get_workload, load_trace, poisson
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,5 +1,5 @@
-"""The one trace-file reader (kvstore.workloads.tracefile) and the planner's trace model built from it (the
-small engine's model is checked against it in tests/integration/benchmarks/test_pd_trace_models.py)."""
+"""The one trace-file reader (kvstore.workloads.tracefile) and the one trace model built from it (the small
+engine's tokenizing of it is checked in tests/integration/benchmarks/test_pd_trace_models.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
-"""How long an engine step takes, predicted from a few timed steps of the real model (for admission control).
+"""The fitted step model: how long an engine step of the small engine takes, predicted from a few timed steps
+of the real model (for admission control). Not the planner's analytic cost model
+(:class:`kvstore.planner.costmodel.CostModel`, step times from GPU/model specs, fitted to runs by
+``kvstore plan --calibrate``): this one is fitted here, at start-up, to the model it will serve.
 
 ``prefill_s(n)`` fits ``a + b*n + c*n^2`` (attention over the prompt is quadratic); ``decode_step_s(batch, ctx)``
 fits ``a + b*batch + c*ctx`` where ``ctx`` is the total context of the batch. Both are least-squares fits of
-steps timed in this process with one torch thread (what each worker gets); :meth:`CostModel.describe` reports
+steps timed in this process with one torch thread (what each worker gets); :meth:`StepModel.describe` reports
 the points and the fit so the report can show how far the predictions are from the steps.
 """
 
@@ -20,7 +23,7 @@ DECODE_POINTS = ((1, 64), (1, 1024), (4, 512), (8, 256), (8, 2048), (16, 1024), 
 
 
 @dataclass(frozen=True, slots=True)
-class CostModel:
+class StepModel:
     prefill: tuple[float, float, float]  # seconds: a + b*n + c*n^2
     decode: tuple[float, float, float]  # seconds: a + b*batch + c*total_context
     fit_error: float = 0.0  # median relative error of the fit over the timed points
@@ -48,7 +51,7 @@ def _fit(rows: list[list[float]], seconds: list[float]) -> tuple[tuple[float, fl
     return (float(coef[0]), float(coef[1]), float(coef[2])), rel.tolist()
 
 
-def calibrate(model_config, block_size: int = 16, repeats: int = 3) -> CostModel:
+def fit_step_model(model_config, block_size: int = 16, repeats: int = 3) -> StepModel:
     """Time prefill and decode steps of ``model_config`` here, on one torch thread, and fit the model."""
     import torch
 
@@ -91,4 +94,4 @@ def calibrate(model_config, block_size: int = 16, repeats: int = 3) -> CostModel
         torch.set_num_threads(threads)
     prefill, p_err = _fit(p_rows, p_y)
     decode, d_err = _fit(d_rows, d_y)
-    return CostModel(prefill, decode, median(p_err + d_err))
+    return StepModel(prefill, decode, median(p_err + d_err))
