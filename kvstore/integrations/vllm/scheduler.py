@@ -131,7 +131,11 @@ class SchedulerSide:
         state.local_blocks = local = num_computed_tokens // self.block_size
         if self.paused or not self.loads_enabled or not state.cacheable:
             return 0, False
-        claimable = (len(state.prompt) - 1) // self.block_size  # never the prompt's last token
+        # An asynchronous load may cover the whole prompt: once it lands vLLM recomputes only the last token
+        # (its num_computed_tokens drops to num_tokens - 1) to sample the next one. A synchronous hit must leave
+        # the last token's block to compute: vLLM schedules at least one token of a fresh request.
+        whole = len(state.prompt) if self.config.async_loads else len(state.prompt) - 1
+        claimable = whole // self.block_size
         if claimable <= local:
             return 0, False
         if state.load_attempts >= MAX_LOAD_ATTEMPTS:

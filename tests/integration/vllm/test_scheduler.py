@@ -40,10 +40,10 @@ class CountingStore:
         pass
 
 
-def side(store, role="kv_both", fail=False) -> SchedulerSide:
+def side(store, role="kv_both", fail=False, async_loads=True) -> SchedulerSide:
     # lookup_wait_s: the lookup thread answers within it however loaded the machine is (deterministic tests)
-    s = SchedulerSide(ConnectorConfig(url="unix:///unused", retry_s=60, lookup_wait_s=30.0), [LAYOUT], role, BS,
-                      Counters())
+    s = SchedulerSide(ConnectorConfig(url="unix:///unused", retry_s=60, lookup_wait_s=30.0, async_loads=async_loads),
+                      [LAYOUT], role, BS, Counters())
 
     def opener(url, timeout, transport):
         if fail:
@@ -64,13 +64,17 @@ def put_blocks(store, prompt, n):
         store.store.put(block_key(LAYOUT.fingerprint(), digest), b"x")
 
 
-def test_one_batched_lookup_and_never_the_last_token():
+def test_one_batched_lookup_and_the_last_block_only_when_loading_asynchronously():
     store = CountingStore()
-    prompt = list(range(3 * BS))  # exactly 3 blocks: the last token's block may not be claimed
+    prompt = list(range(3 * BS))  # exactly 3 blocks
     put_blocks(store, prompt, 3)
-    s = side(store)
-    assert s.get_num_new_matched_tokens(request(prompt), 0) == (2 * BS, True)
+    # asynchronous: all three (vLLM recomputes the last token once they land)
+    assert side(store).get_num_new_matched_tokens(request(prompt), 0) == (3 * BS, True)
     assert store.batch_calls == 1 and store.exists_calls == 0
+    # synchronous: the last token's block is left to compute
+    assert side(store, async_loads=False).get_num_new_matched_tokens(request(prompt), 0) == (2 * BS, False)
+    # and vLLM's own local hit (at most num_tokens - 1) plus the store's last block
+    assert side(store).get_num_new_matched_tokens(request(prompt), 2 * BS) == (BS, True)
 
 
 def test_hits_are_the_contiguous_run_after_the_local_prefix():

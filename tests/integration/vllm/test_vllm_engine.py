@@ -132,6 +132,25 @@ def test_kv_both_shares_prefixes_across_processes(saved, engine, baseline, promp
     assert run2.counters["load_errors"] == 0 and run2.counters["lookup_errors"] == 0
 
 
+def test_a_prompt_of_whole_blocks_is_loaded_whole(engine, workdir):
+    """With asynchronous loads a hit may cover the whole prompt, the last token's block included: vLLM then
+    recomputes only the last token to sample the next one. A prompt of exactly three blocks loads all three
+    and generates the tokens of the run that computed it."""
+    whole = make_prompts()[2][:3 * BLOCK]
+    runner = EngineRunner(os.path.join(workdir, "whole"), engine.model, [whole])
+    os.makedirs(runner.workdir, exist_ok=True)
+    d = Daemon(workdir, capacity="256MiB").start()
+    try:
+        first = runner.run(url=d.unix_url, hash_seed=3)  # computes it (the store is empty) and saves its blocks
+        second = runner.run(url=d.unix_url, hash_seed=4)  # a fresh engine: every block from the store
+    finally:
+        d.stop()
+    assert first.transfers[0].get("saved_blocks") == 3, first.transfers
+    assert second.tokens == first.tokens
+    assert second.transfers[0].get("loaded_blocks") == 3, second.transfers
+    assert second.counters["load_errors"] == 0
+
+
 def test_layout_is_published_next_to_the_blocks(saved):
     d, _ = saved
     with d.connect("tcp") as s:
