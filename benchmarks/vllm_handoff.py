@@ -104,7 +104,9 @@ def child_main(args) -> int:
         start = time.perf_counter()
         (out,) = llm.generate([{"prompt_token_ids": msg["prompt"]}], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        settle = drain_saves(llm) if args.role == "producer" and args.connector == "mooncake" else 0.0
+        settle = 0.0
+        if args.role == "producer" and (args.connector == "mooncake" or args.settle):
+            settle = drain_saves(llm, kvstore=args.connector == "kvstore")
         if args.role == "consumer":
             llm.reset_prefix_cache()  # the next hit's KV comes through the connector, never vLLM's own cache
         conn.send({"s": elapsed, "settle": settle, "cached": out.num_cached_tokens,
@@ -117,11 +119,16 @@ def child_main(args) -> int:
     os._exit(0)
 
 
-def drain_saves(llm, timeout_s: float = 60.0) -> float:
+def drain_saves(llm, timeout_s: float = 60.0, kvstore: bool = False) -> float:
     """Step an idle engine until its connector holds no save in flight; the seconds it took. (An offline
     engine takes no step by itself, and store completions reach vLLM's scheduler only on a step.)"""
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
     start = time.perf_counter()
+    if kvstore:  # the saver thread's queue first
+        from kvstore.integrations.vllm import live_connectors
+
+        for c in live_connectors():
+            c.wait_for_saves(timeout_s)
     while connector.has_pending_push_work() and time.perf_counter() - start < timeout_s:
         llm.llm_engine.step()
         time.sleep(0.001)
@@ -233,7 +240,7 @@ def _accept(listener: Listener, engines: list[_Engine], timeout_s: float) -> Non
 
 def run_handoff(connector: str, *, model: str, lengths: list[int], repeats: int, workdir: str, url: str = "",
                 dtype: str = "bfloat16", kv_bytes: int = 1 << 30, seed: int = 0, env: dict | None = None,
-                log=print) -> dict:
+                settle: bool = False, log=print) -> dict:
     """Time ``repeats`` rounds of (recompute, prefill, hit) for each prompt length; never raises: a pair that
     fails returns ``{"connector", "error"}`` with the failing engine's log tail."""
     import random
@@ -259,7 +266,7 @@ def run_handoff(connector: str, *, model: str, lengths: list[int], repeats: int,
                 child_env[LOOKUP_PORT_ENV] = str(free_port())
             cmd = [sys.executable, "-m", "benchmarks.vllm_handoff", "--child", "--role", role, "--connector",
                    connector, "--address", address, "--url", url, "--model", model, "--dtype", dtype,
-                   "--kv-bytes", str(kv_bytes), "--max-len", str(max_len)]
+                   "--kv-bytes", str(kv_bytes), "--max-len", str(max_len)] + (["--settle"] if settle else [])
             engines.append(_Engine(f"{connector}-{role}", cmd, child_env, workdir))
         _accept(listener, engines, START_TIMEOUT_S)
         producer, consumer = engines
@@ -307,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default="", help=argparse.SUPPRESS)
     p.add_argument("--max-len", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--url", default="", help=argparse.SUPPRESS)
+    p.add_argument("--settle", action="store_true",
+                   help="diagnostic: the producer's saves land (untimed) before the consumer's request, for "
+                        "kvstore too (its hit then excludes the bounded wait for saves in flight)")
     p.add_argument("--connectors", default="kvstore,nixl")
     p.add_argument("--model", default="")
     p.add_argument("--dtype", default="bfloat16")
@@ -335,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             out = run_handoff(c, model=model, lengths=[int(t) for t in args.tokens.split(",")],
                               repeats=args.repeats, workdir=workdir, url=daemon.unix_url, dtype=args.dtype,
-                              kv_bytes=args.kv_bytes)
+                              kv_bytes=args.kv_bytes, settle=args.settle)
             print(json.dumps(out))
     finally:
         daemon.stop()
