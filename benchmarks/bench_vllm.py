@@ -4,16 +4,31 @@ bandwidth against a memcpy of the same bytes, all in one run.
 
     python -m benchmarks.bench_vllm                       # random Llama with Llama-3-8B's KV shape, 1k/4k prompts
     python -m benchmarks.bench_vllm --geometry tiny --tokens 1024,8192 --repeats 9 --json out.json
+    python -m benchmarks.bench_vllm --anchors nixl --variants ''   # only the P->D hand-off, kvstore vs NIXL
 
 The default model has Llama-3-8B's KV geometry per layer (8 KV heads x 128, bf16) and 8 layers, so a 128-token
-block is 4 MiB, with thin other weights (random, built offline). NixlConnector is not measured: the ``nixl``
-wheels are not installed in this environment.
+block is 4 MiB, with thin other weights (random, built offline).
 
 Variants, each a fresh single-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) in its own process, on
 the same prompts (fixed seed): ``none`` (no connector), ``kvstore`` (KVStoreConnector, kv_both, a
 ``kvstore serve`` daemon started for the run) and ``example`` (vLLM's ExampleConnector, its disk-backed
-reference, under a temporary directory), the in-run anchor. vLLM's MooncakeStoreConnector and NixlConnector
-are not measured: neither Mooncake nor NIXL is installed here.
+reference, under a temporary directory), an in-run anchor.
+
+In-run anchors (``--anchors``, default ``all``; ``pip install -e ".[peers]"`` and ``apt-get install -y
+libibverbs1`` for the last two; an anchor whose package is missing is skipped, its reason printed):
+``example`` above, and the prefill -> decode hand-off (``benchmarks.vllm_handoff``: a producer engine and a
+consumer engine a connector, one after the other) of kvstore's connector (``kv_producer`` / ``kv_consumer``
+on the run's daemon) against ``nixl`` (vLLM's NixlConnector on the CPU platform: ``kv_buffer_device: cpu``,
+the UCX backend, side channels on free loopback ports; the consumer pulls the blocks the producer holds for
+it) and ``mooncake`` (vLLM's MooncakeStoreConnector with ``mooncake-transfer-engine-non-cuda`` 0.3.13.post1
+on a ``mooncake_master`` started for the run: TCP transport, 1 GB embedded segments; it runs on the CPU
+build). Each round times the consumer recomputing a fresh prompt, the producer's prefill and the consumer's
+hit (the same prompt with the producer's ``kv_transfer_params``); "kvstore hit x" is kvstore's hit median
+over the anchor's, both from the same run (not interleaved: one pair of engines at a time). kvstore's
+consumer waits (bounded) for saves still in flight as part of its hit; MooncakeStoreConnector has no such
+signal (a decode request finds what has landed), so its producer is stepped until its saves are done,
+untimed, before the consumer's request. ``cached`` is the fewest tokens any hit did not compute (0: a hand-off
+that fell back to recomputing).
 
 TTFT is the wall time of ``generate`` of one prompt with ``max_tokens=1``. A miss is a prompt never seen
 (for the connectors it includes the lookup and saving every full block; kvstore's kv_both saves are
@@ -42,10 +57,41 @@ import time
 
 from benchmarks.common.daemon import Daemon
 from benchmarks.common.machine import describe, machine
+from benchmarks.vllm_handoff import missing_package, run_handoff
 from kvstore.workloads.stats import median, percentile
 
 DEFAULT_TOKENS = "1024,4096"
 VARIANTS = ("none", "kvstore", "example")
+# in-run anchors: vLLM's ExampleConnector beside the single-engine variants; NixlConnector and
+# MooncakeStoreConnector against kvstore's connector in the prefill -> decode hand-off
+ANCHORS = ("example", "nixl", "mooncake")
+HANDOFF_ANCHORS = ("nixl", "mooncake")
+
+
+def parse_anchors(text: str) -> list[str]:
+    """``--anchors``: ``all``, ``none`` or a comma-separated subset of :data:`ANCHORS`, in that order."""
+    names = {t.strip() for t in text.split(",") if t.strip()}
+    if names == {"all"}:
+        return list(ANCHORS)
+    if names <= {"none"}:
+        return []
+    unknown = sorted(names - set(ANCHORS))
+    if unknown:
+        raise ValueError(f"unknown anchor(s) {', '.join(unknown)}: choose from all, none, {', '.join(ANCHORS)}")
+    return [a for a in ANCHORS if a in names]
+
+
+def plan_runs(variants: list[str], anchors: list[str], missing=None) -> tuple[list[str], list[str], dict[str, str]]:
+    """Which single-engine variants and which hand-off connectors run, and why each skipped anchor is skipped.
+
+    ``example`` runs among the variants only when it is an anchor; the hand-off runs kvstore against each
+    hand-off anchor whose package is installed (``missing(name)`` says why one is not), and not at all when
+    none of them can run."""
+    missing = missing or missing_package
+    single = [v for v in variants if v != "example" or "example" in anchors]
+    skipped = {a: why for a in anchors if a in HANDOFF_ANCHORS and (why := missing(a))}
+    handoff = [a for a in anchors if a in HANDOFF_ANCHORS and a not in skipped]
+    return single, (["kvstore", *handoff] if handoff else []), skipped
 
 
 def summary(values: list[float]) -> dict:
@@ -281,6 +327,43 @@ def stall_table(results: dict[str, dict]) -> list[dict]:
     return rows
 
 
+def handoff_table(results: dict[str, dict], lengths: list[str]) -> list[dict]:
+    """Per prompt length and connector: the decode side's recompute, the prefill, the hand-off's hit TTFT
+    (p50 / p99), hit x recompute, the tokens the decode side did not compute, and kvstore's hit over this
+    connector's (medians of the same run)."""
+    rows = []
+    kvs = results.get("kvstore", {}).get("samples", {})
+    for n in lengths:
+        for connector, res in results.items():
+            if "error" in res:
+                rows.append({"tokens": int(n), "connector": connector, "error": res["error"].splitlines()[-1:]})
+                continue
+            s = res["samples"][n]
+            rec, pre, hit = summary(s["recompute"]), summary(s["prefill"]), summary(s["hit"])
+            row = {"tokens": int(n), "connector": connector, "recompute_ms": rec["median"] * 1e3,
+                   "prefill_ms": pre["median"] * 1e3, "hit_ms": hit["median"] * 1e3, "hit_p99_ms": hit["p99"] * 1e3,
+                   "hit_vs_recompute": hit["median"] / rec["median"], "cached": min(s["cached"]), "n": hit["n"]}
+            if connector != "kvstore" and kvs.get(n, {}).get("hit"):
+                row["kvstore_hit_vs_this"] = median(kvs[n]["hit"]) / hit["median"]
+            rows.append(row)
+    return rows
+
+
+def print_handoff(rows: list[dict], skipped: dict[str, str]) -> None:
+    print("\nprefill -> decode hand-off: TTFT on the decode instance (ms), two engines a connector")
+    print(f"{'tokens':>7} {'connector':<9} {'recompute':>10} {'prefill':>9} {'hit p50':>9} {'p99':>8} "
+          f"{'x recompute':>12} {'cached':>7} {'kvstore hit x':>14}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['tokens']:>7} {r['connector']:<9} failed: {' '.join(r['error'])}")
+            continue
+        vs = f"{r['kvstore_hit_vs_this']:>14.2f}" if "kvstore_hit_vs_this" in r else ""
+        print(f"{r['tokens']:>7} {r['connector']:<9} {r['recompute_ms']:>10.1f} {r['prefill_ms']:>9.1f} "
+              f"{r['hit_ms']:>9.1f} {r['hit_p99_ms']:>8.1f} {r['hit_vs_recompute']:>12.2f} {r['cached']:>7} {vs}")
+    for name, why in skipped.items():
+        print(f"  {name}: skipped, {why}")
+
+
 def print_stall(rows: list[dict], arrivals: int, tokens: int) -> None:
     print(f"\ndecode stall: TPOT of 4 running streams, quiet vs while {arrivals} prompts of {tokens} tokens arrive")
     print(f"{'variant':<8} {'loads':<8} {'quiet p50':>10} {'p99':>8} {'arrivals p50':>13} {'p99':>8} {'p99 ratio':>10}")
@@ -321,7 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="", help="a local model directory (default: the tiny random Llama)")
     p.add_argument("--tokens", default=DEFAULT_TOKENS, help="prompt lengths, comma separated")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="single-engine variants (none, kvstore, example; '' for none of them)")
+    p.add_argument("--anchors", default="all",
+                   help="in-run anchors: all, none, or a comma-separated subset of example,nixl,mooncake "
+                        "(an anchor whose package is missing is skipped with the reason)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-bytes", type=int, default=1 << 30, help="vLLM's KV cache size (bytes)")
     p.add_argument("--capacity", default="3GiB", help="the daemon's capacity")
@@ -339,6 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         engine_main(args)
         return 0
+    try:
+        anchors = parse_anchors(args.anchors)
+    except ValueError as e:
+        p.error(str(e))
+    variants, handoff, skipped = plan_runs([v for v in args.variants.split(",") if v], anchors)
+    for name, why in skipped.items():
+        print(f"[anchor {name}] skipped: {why}", file=sys.stderr)
     workdir = tempfile.mkdtemp(prefix="kvs-bench-vllm-", dir="/tmp")
     if not args.model:
         from kvstore.integrations.vllm.tiny_model import KV_REALISTIC_CONFIG, TINY_CONFIG, build_tiny_llama
@@ -346,23 +440,45 @@ def main(argv: list[str] | None = None) -> int:
         config = KV_REALISTIC_CONFIG if args.geometry == "realistic" else TINY_CONFIG
         args.model = build_tiny_llama(os.path.join(tempfile.gettempdir(), f"kvstore-{args.geometry}-llama"),
                                       config=config)
+    lengths = args.tokens.split(",")
+    load_at_start = loadavg()
     daemon = Daemon(workdir, capacity=args.capacity, tcp=False).start()
     try:
-        results = {v: run_variant(v, args, daemon.unix_url, workdir) for v in args.variants.split(",")}
+        results = {v: run_variant(v, args, daemon.unix_url, workdir) for v in variants}
+        handoff_results = {c: run_handoff(c, model=args.model, lengths=[int(n) for n in lengths],
+                                          repeats=args.repeats, workdir=workdir, url=daemon.unix_url,
+                                          dtype=args.dtype, kv_bytes=args.kv_bytes, seed=args.seed,
+                                          log=lambda m: print(m, file=sys.stderr))
+                           for c in handoff}
     finally:
         daemon.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    lengths = args.tokens.split(",")
-    rows, bandwidth = table(results, lengths)
-    header = f"bench_vllm: {args.model} ({args.dtype}), {describe()}, repeats={args.repeats}"
-    print_table(rows, bandwidth, header)
-    stall = stall_table(results)
-    print_stall(stall, args.arrivals, max(int(n) for n in lengths))
+    header = f"bench_vllm: {args.model} ({args.dtype}), {describe()}, repeats={args.repeats}, " \
+             f"{load_at_start} at the start, {loadavg()} at the end"
+    rows, bandwidth, stall = [], {}, []
+    if results:
+        rows, bandwidth = table(results, lengths)
+        print_table(rows, bandwidth, header)
+        stall = stall_table(results)
+        print_stall(stall, args.arrivals, max(int(n) for n in lengths))
+    else:
+        print(header)
+    hand = handoff_table(handoff_results, lengths)
+    if hand or skipped:
+        print_handoff(hand, skipped)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "model": args.model, "rows": rows, "bandwidth": bandwidth,
-                       "stall": stall, "raw": results}, f, indent=1)
+                       "stall": stall, "handoff": hand, "skipped_anchors": skipped,
+                       "raw": {**results, "handoff": handoff_results}}, f, indent=1)
     return 0
+
+
+def loadavg() -> str:
+    try:
+        return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "load average ?"
 
 
 if __name__ == "__main__":
