@@ -230,6 +230,14 @@ def _main_compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             cfg = _compare_config(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    if args.engine == "vllm" and args.via == "router" and getattr(args, "link", None):
+        from benchmarks.pd.link import main_link, parse_rates
+
+        try:
+            rates = parse_rates(args.link)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return main_link(http_cfg, rates)
     if args.engine == "vllm" and args.via == "router":
         from benchmarks.pd.http_run import main_http
 
