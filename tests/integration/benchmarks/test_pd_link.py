@@ -37,11 +37,14 @@ def _row(prompt: int, ttft: float, tpot: float | None) -> dict:
     return {"prompt_tokens": prompt, "ttft_s": ttft, "tpot_s": tpot}
 
 
-def test_calibration_is_the_medians_of_the_colocated_rows():
-    rows = [_row(100, 0.11, 0.01), _row(200, 0.21, 0.02), _row(400, 0.41, 0.01), _row(50, 1.0, None)]
+def test_calibration_from_probes_is_a_step_and_a_slope():
+    rows = [_row(128, 0.15, 0.01), _row(128, 0.17, 0.02), _row(1024, 1.05, 0.01), _row(1024, 1.07, 0.01),
+            _row(50, 9.0, None)]
     cal = L.Calibration.from_rows(rows)
     assert cal.decode_step_s == pytest.approx(0.01)
-    assert cal.prefill_token_s == pytest.approx(0.001)  # (0.11-0.01)/100 = (0.21-0.01)/200 ... = 1 ms
+    assert cal.prefill_token_s == pytest.approx((1.06 - 0.16) / (1024 - 128))
+    one = L.Calibration.from_rows([_row(100, 0.11, 0.01), _row(200, 0.21, 0.02), _row(400, 0.41, 0.01)][:1])
+    assert one.prefill_token_s == pytest.approx(0.001)  # one length: (TTFT - step) / prompt
     with pytest.raises(ValueError, match="no completed request"):
         L.Calibration.from_rows([_row(10, 0.1, None)])
 
@@ -73,6 +76,18 @@ def test_the_planner_predicts_a_slower_first_token_on_a_narrower_link():
     assert narrow["ttft_p50_s"] - wide["ttft_p50_s"] == pytest.approx(8.39e9 / 1e9 - 8.39e9 / 25e9, rel=0.05)
     assert colocated["ttft_p50_s"] < wide["ttft_p50_s"]
     assert wide["tpot_p50_s"] == pytest.approx(0.01, rel=0.05)
+
+
+def test_shifted_traces_keep_arrivals_and_lengths_but_not_tokens():
+    t = _trace(10, n=2)
+    s = L.shifted(t, 2, vocab=8)
+    assert [r.arrival_s for r in s.requests] == [r.arrival_s for r in t.requests]
+    assert [r.prompt_tokens for r in s.requests] == [10, 10]
+    assert s.requests[0].prompt_ids[:3] == (2, 3, 4) and max(s.requests[0].prompt_ids) < 8
+    assert L.shifted(t, 0, 8) is t
+    probes = L.probe_traces(vocab=4096, max_model_len=512)
+    assert [p.requests[0].prompt_tokens for p in probes] == [128, 128, 480, 480]
+    assert len({p.requests[0].prompt_ids[:4] for p in probes}) == 4  # no shared prefixes
 
 
 def _res(goodput: float, e2e: float | None) -> dict:
