@@ -29,7 +29,8 @@ Per link rate the trace's token ids are shifted by the rate's index (same arriva
 finds blocks a previous rate's run left in the daemons.
 
 "Where disaggregation stops paying" (:func:`stops_paying`): per trace (prompt lengths), disaggregation pays on
-a link when its SLO goodput is at least the best single-host architecture's and its end-to-end p50 is lower;
+a link when its SLO goodput and completed requests are at least the best single-host architecture's and its
+end-to-end p50 is lower;
 the statement names the narrowest link where it still pays and the widest where it does not.
 """
 
@@ -329,10 +330,13 @@ def within(check: dict, tolerance: float) -> bool:
 
 # -- where disaggregation stops paying --------------------------------------------------------------------------
 def pays(disagg: dict, single: list[dict]) -> bool:
-    """Disaggregation pays against the single-host runs: SLO goodput at least the best of them and an e2e p50
-    below theirs (the best of those with that goodput)."""
+    """Disaggregation pays against the single-host runs: SLO goodput and completed requests (not shed, not lost)
+    at least the best of theirs, and an e2e p50 below theirs (the best of those with that goodput)."""
     best = max(s["slo"]["goodput_rps"] for s in single)
     if disagg["slo"]["goodput_rps"] < best:
+        return False
+    done = [s["requests"]["completed"] for s in single if "requests" in s]
+    if done and disagg.get("requests", {}).get("completed", 0) < max(done):
         return False
     rivals = [s["e2e_s"]["p50"] for s in single if s["slo"]["goodput_rps"] == best and s["e2e_s"]]
     return bool(disagg["e2e_s"]) and (not rivals or disagg["e2e_s"]["p50"] < min(rivals))
@@ -353,6 +357,32 @@ def stops_paying(name: str, prompt_p50: float, by_rate: dict[float, bool]) -> st
                        f"{max(lost):g})")
     return head + ("no monotone threshold: pays at " + ", ".join(f"{r:g}" for r in paid) + " Gbit/s, not at "
                    + ", ".join(f"{r:g}" for r in lost) + " Gbit/s (noise on a shared machine)")
+
+
+def verdicts(doc: dict) -> dict[str, str]:
+    """Per trace of a summary: where disaggregation stops paying (:func:`pays` on each link)."""
+    out = {}
+    for name, by_arch in doc["results"].items():
+        singles = [res for arch, res in by_arch.items() if not arch.startswith("disaggregated")]
+        paid = {doc["links"][k]["shaped_gbit"]: pays(by_arch[k], singles) for k in doc["links"] if k in by_arch}
+        out[name] = stops_paying(name, doc["prompt_p50"][name], paid)
+    return out
+
+
+def rereport(out: Path) -> str:
+    """Recompute the verdicts and report.md of a finished run's directory from its summary.json."""
+    doc = json.loads((out / "summary.json").read_text())
+    if "prompt_p50" not in doc:  # runs before it was recorded: from the single-host run's rows
+        doc["prompt_p50"] = {}
+        for name in doc["results"]:
+            rows = (out / "single_host" / name / "colocated" / "requests.jsonl").read_text().splitlines()
+            prompts = sorted(json.loads(x)["prompt_tokens"] for x in rows)
+            doc["prompt_p50"][name] = prompts[len(prompts) // 2]
+    doc["verdicts"] = verdicts(doc)
+    (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
+    text = report(doc)
+    (out / "report.md").write_text(text)
+    return text
 
 
 # -- the comparison ----------------------------------------------------------------------------------------------
@@ -388,7 +418,7 @@ def compare_link(cfg: HttpCompareConfig, rates: tuple[float, ...]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     single_archs = tuple(a for a in cfg.archs if a is not Arch.DISAGGREGATED) or (Arch.COLOCATED,)
     if Arch.COLOCATED not in single_archs:
-        single_archs = (Arch.COLOCATED, *single_archs)  # the planner is calibrated on it
+        single_archs = (Arch.COLOCATED, *single_archs)  # the verdicts and the planner check compare with it
     single = compare_http(dataclasses.replace(cfg, archs=single_archs, out_dir=str(out / "single_host")))
     hf = read_shape(cfg.engine.model)
     traces = [fit_trace(s.build(cfg.num_requests, cfg.seed, hf["vocab_size"], cfg.rate_scale),
@@ -431,10 +461,9 @@ def compare_link(cfg: HttpCompareConfig, rates: tuple[float, ...]) -> dict:
         doc["planner"][name] = planner_check(trace, doc["results"][name], rates_by_label, kv_bytes,
                                              cfg.engine.kv_cache_bytes // kv_bytes, cfg.engine.max_model_len,
                                              cfg.slo, cal)
-        singles = [doc["results"][name][a.value] for a in single_archs]
-        paid = {doc["links"][k]["shaped_gbit"]: pays(doc["results"][name][k], singles) for k in rates_by_label}
         prompts = sorted(r.prompt_tokens for r in trace.requests)
-        doc["verdicts"][name] = stops_paying(name, prompts[len(prompts) // 2], paid)
+        doc["prompt_p50"] = {**doc.get("prompt_p50", {}), name: prompts[len(prompts) // 2]}
+    doc["verdicts"] = verdicts(doc)
     (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / "report.md").write_text(report(doc))
     return doc
@@ -494,7 +523,12 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("replay")
     r.add_argument("job")
     r.add_argument("out")
+    rep = sub.add_parser("report", help="recompute the verdicts and report.md of a run directory")
+    rep.add_argument("dir", type=Path)
     args = p.parse_args(argv)
+    if args.cmd == "report":
+        print(rereport(args.dir))
+        return 0
     return _replay_main(args.job, args.out)
 
 

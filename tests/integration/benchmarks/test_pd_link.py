@@ -90,8 +90,9 @@ def test_shifted_traces_keep_arrivals_and_lengths_but_not_tokens():
     assert len({p.requests[0].prompt_ids[:4] for p in probes}) == 4  # no shared prefixes
 
 
-def _res(goodput: float, e2e: float | None) -> dict:
-    return {"slo": {"goodput_rps": goodput}, "e2e_s": None if e2e is None else {"p50": e2e}}
+def _res(goodput: float, e2e: float | None, done: int = 3) -> dict:
+    return {"slo": {"goodput_rps": goodput}, "e2e_s": None if e2e is None else {"p50": e2e},
+            "requests": {"completed": done}}
 
 
 def test_pays_needs_the_best_goodput_and_a_lower_e2e():
@@ -101,6 +102,7 @@ def test_pays_needs_the_best_goodput_and_a_lower_e2e():
     assert not L.pays(_res(0.9, 0.5), single)  # faster, but fewer requests within the SLO
     assert L.pays(_res(2.0, 9.0), single) is False  # more goodput, but slower e2e than the best's
     assert not L.pays(_res(1.0, None), single)
+    assert not L.pays(_res(1.0, 1.5, done=2), single)  # faster only because it shed more
 
 
 def test_where_disaggregation_stops_paying_is_stated():
@@ -148,3 +150,12 @@ def test_a_tiny_compare_across_the_link(tmp_path):
     assert check["arch"] == "disaggregated@10gbit" and None not in check["error"].values()
     assert "Where disaggregation stops paying" in (out / "report.md").read_text()
     assert H.namespaces() == []
+
+
+def test_verdicts_of_a_summary_per_trace():
+    doc = {"links": {"disaggregated@1gbit": {"shaped_gbit": 1.0}, "disaggregated@25gbit": {"shaped_gbit": 25.0}},
+           "prompt_p50": {"long": 800},
+           "results": {"long": {"colocated": _res(1.0, 2.0), "chunked": _res(0.5, 1.0),
+                                "disaggregated@1gbit": _res(0.5, 3.0), "disaggregated@25gbit": _res(1.0, 1.5)}}}
+    assert L.verdicts(doc) == {"long": "long (prompt p50 800 tokens): disaggregation stops paying below 25 Gbit/s "
+                                       "(pays at 25, not at 1)"}
