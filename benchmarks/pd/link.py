@@ -21,9 +21,10 @@ two short and two long prompts, one at a time; decode step = their TPOT p50, pro
 slope between the two lengths), the KV size per token comes from the model's geometry, the link is the
 measured rate (:class:`kvstore.planner.TransferModel`, + 1 ms assumed per hand-off); the planner's simulator
 then predicts the colocated and the disaggregated (per link) TTFT/TPOT p50 of the trace, compared with the
-measured ones (signed relative error per metric). The simulator serves every request: the router's 429s
-(admission) and its skip rules (a short or cached prompt is recomputed by the decode server, no hand-off) are
-not in it, so where they fired the comparison is not like for like (the report shows the routes).
+measured ones (signed relative error per metric). The simulator has no admission control, so each prediction
+is of the requests that run's router admitted (its 429s left out, :func:`admitted_trace`); the router's skip
+rules (a short or cached prompt recomputed by the decode server, no hand-off) are not in it (the report shows
+the routes).
 
 Per link rate the trace's token ids are shifted by the rate's index (same arrivals and lengths), so no run
 finds blocks a previous rate's run left in the daemons.
@@ -54,6 +55,7 @@ from benchmarks.pd.compare import _unique_names
 from benchmarks.pd.deployment import Arch
 from benchmarks.pd.http_run import HttpCompareConfig, _vllm_args, compare_http, fit_trace, results
 from benchmarks.pd.make_model import read_shape
+from benchmarks.pd.metrics import Slo as _Slo
 from benchmarks.pd.trace import Trace
 from kvstore.router.fleet import connector_config
 
@@ -287,7 +289,20 @@ def planner_trace(trace: Trace):
                                     for i, r in enumerate(trace.requests)))
 
 
-def predict(trace: Trace, cost, arch: str, max_prefill_tokens: int, link_gbit: float | None,
+def admitted_trace(name: str, rows: list[dict]):
+    """The planner's trace of the requests a run's router admitted (its 429s left out: the simulator has no
+    admission control), from the run's request rows (same arrivals, lengths and output targets)."""
+    from kvstore.planner import Trace as PTrace
+    from kvstore.planner import TraceRequest as PRequest
+
+    kept = [r for r in rows if not r["shed"]]
+    if not kept:
+        raise ValueError(f"{name}: every request was shed; nothing to predict")
+    return PTrace(name, tuple(PRequest(i, r["arrival_s"], r["prompt_tokens"], r["target_output_tokens"])
+                              for i, r in enumerate(kept)))
+
+
+def predict(trace, cost, arch: str, max_prefill_tokens: int, link_gbit: float | None,
             slo) -> dict[str, float]:
     """The planner's TTFT/TPOT p50 for ``trace`` on two workers of ``arch`` (disaggregated: over ``link_gbit``)."""
     from kvstore.planner import SLO, Deployment, Simulator, TransferModel
@@ -300,7 +315,8 @@ def predict(trace: Trace, cost, arch: str, max_prefill_tokens: int, link_gbit: f
     transfer = None
     if link_gbit is not None:
         transfer = TransferModel(f"veth {link_gbit:.2f} Gbit/s (measured)", HANDOFF_LATENCY_S, link_gbit * 1e9 / 8)
-    m = summarize(Simulator(cost, dep, transfer).run(planner_trace(trace)), SLO(slo.ttft_s, slo.tpot_s))
+    ptrace = planner_trace(trace) if isinstance(trace, Trace) else trace
+    m = summarize(Simulator(cost, dep, transfer).run(ptrace), SLO(slo.ttft_s, slo.tpot_s))
     return {"ttft_p50_s": m.ttft_p50, "tpot_p50_s": m.tpot_p50}
 
 
@@ -312,13 +328,17 @@ def check_row(label: str, predicted: dict[str, float], measured: dict) -> dict:
             "error": {k: None if meas[k] is None else rel_error(predicted[k], meas[k]) for k in predicted}}
 
 
-def planner_check(trace: Trace, res: dict[str, dict], rates: dict[str, float], kv_bytes: int, kv_capacity: int,
-                  max_model_len: int, slo, cal: Calibration) -> dict:
-    """Planner vs measured for one trace: ``res`` arch label -> results, ``rates`` label -> measured Gbit/s."""
+def planner_check(runs: dict[str, list[dict]], res: dict[str, dict], rates: dict[str, float], kv_bytes: int,
+                  kv_capacity: int, max_model_len: int, slo, cal: Calibration) -> dict:
+    """Planner vs measured for one trace: ``runs`` / ``res`` arch label -> the run's request rows / results
+    (``colocated`` and each link's), ``rates`` label -> measured Gbit/s. Each prediction is of the requests
+    that run admitted."""
     cost = cal.cost_model(kv_bytes, kv_capacity)
-    rows = [check_row("colocated", predict(trace, cost, "colocated", max_model_len, None, slo), res["colocated"])]
+    rows = [check_row("colocated", predict(admitted_trace("colocated", runs["colocated"]), cost, "colocated",
+                                           max_model_len, None, slo), res["colocated"])]
     for label, gbit in rates.items():
-        rows.append(check_row(label, predict(trace, cost, "disaggregated", max_model_len, gbit, slo), res[label]))
+        rows.append(check_row(label, predict(admitted_trace(label, runs[label]), cost, "disaggregated",
+                                             max_model_len, gbit, slo), res[label]))
     return {"calibration": dataclasses.asdict(cal), "kv_bytes_per_token": kv_bytes, "checks": rows,
             "handoff_latency_s": HANDOFF_LATENCY_S}
 
@@ -359,6 +379,17 @@ def stops_paying(name: str, prompt_p50: float, by_rate: dict[float, bool]) -> st
                    + ", ".join(f"{r:g}" for r in lost) + " Gbit/s (noise on a shared machine)")
 
 
+def run_rows(out: Path, name: str, labels: list[str]) -> dict[str, list[dict]]:
+    """The request rows of each run of trace ``name`` under a comparison's directory."""
+    rows = {}
+    for label in labels:
+        path = out / name / label / "requests.jsonl"
+        if not path.exists():
+            path = out / "single_host" / name / label / "requests.jsonl"
+        rows[label] = [json.loads(x) for x in path.read_text().splitlines()]
+    return rows
+
+
 def verdicts(doc: dict) -> dict[str, str]:
     """Per trace of a summary: where disaggregation stops paying (:func:`pays` on each link)."""
     out = {}
@@ -379,6 +410,13 @@ def rereport(out: Path) -> str:
             prompts = sorted(json.loads(x)["prompt_tokens"] for x in rows)
             doc["prompt_p50"][name] = prompts[len(prompts) // 2]
     doc["verdicts"] = verdicts(doc)
+    rates = {k: v["measured_gbit"] for k, v in doc["links"].items()}
+    for name, p in doc["planner"].items():  # each prediction of the requests its run admitted
+        e = doc["setup"]["engine"]
+        kv = p["kv_bytes_per_token"]
+        doc["planner"][name] = planner_check(run_rows(out, name, ["colocated", *rates]), doc["results"][name], rates,
+                                             kv, e["kv_cache_bytes"] // kv, e["max_model_len"],
+                                             _Slo(**doc["setup"]["slo"]), Calibration(**p["calibration"]))
     (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
     text = report(doc)
     (out / "report.md").write_text(text)
@@ -458,7 +496,8 @@ def compare_link(cfg: HttpCompareConfig, rates: tuple[float, ...]) -> dict:
     rates_by_label = {k: v["measured_gbit"] for k, v in doc["links"].items()}
     doc["planner"], doc["verdicts"] = {}, {}
     for name, trace in zip(names, traces, strict=True):
-        doc["planner"][name] = planner_check(trace, doc["results"][name], rates_by_label, kv_bytes,
+        doc["planner"][name] = planner_check(run_rows(out, name, ["colocated", *rates_by_label]),
+                                             doc["results"][name], rates_by_label, kv_bytes,
                                              cfg.engine.kv_cache_bytes // kv_bytes, cfg.engine.max_model_len,
                                              cfg.slo, cal)
         prompts = sorted(r.prompt_tokens for r in trace.requests)

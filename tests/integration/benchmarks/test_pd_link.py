@@ -159,3 +159,13 @@ def test_verdicts_of_a_summary_per_trace():
                                 "disaggregated@1gbit": _res(0.5, 3.0), "disaggregated@25gbit": _res(1.0, 1.5)}}}
     assert L.verdicts(doc) == {"long": "long (prompt p50 800 tokens): disaggregation stops paying below 25 Gbit/s "
                                        "(pays at 25, not at 1)"}
+
+
+def test_the_planner_is_given_the_requests_the_router_admitted():
+    rows = [{"shed": False, "arrival_s": 0.0, "prompt_tokens": 100, "target_output_tokens": 8},
+            {"shed": True, "arrival_s": 0.5, "prompt_tokens": 900, "target_output_tokens": 8},
+            {"shed": False, "arrival_s": 1.0, "prompt_tokens": 200, "target_output_tokens": 4}]
+    t = L.admitted_trace("x", rows)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in t.requests] == [(0.0, 100, 8), (1.0, 200, 4)]
+    with pytest.raises(ValueError, match="every request was shed"):
+        L.admitted_trace("x", rows[1:2])
