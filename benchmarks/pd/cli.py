@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main_compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from benchmarks.pd.report import table
 
+    if getattr(args, "link", None) and not (args.engine == "vllm" and args.via == "router"):
+        parser.error("--link needs --engine vllm --via router (the vLLM OpenAI servers behind kvstore router)")
     try:
         if args.engine == "vllm" and args.via == "router":
             from benchmarks.pd.http_run import http_compare_config

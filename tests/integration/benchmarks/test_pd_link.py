@@ -169,3 +169,14 @@ def test_the_planner_is_given_the_requests_the_router_admitted():
     assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in t.requests] == [(0.0, 100, 8), (1.0, 200, 4)]
     with pytest.raises(ValueError, match="every request was shed"):
         L.admitted_trace("x", rows[1:2])
+
+
+@pytest.mark.parametrize("argv", [["--engine", "tiny", "--link", "10"],
+                                  ["--engine", "vllm", "--via", "inprocess", "--link", "10"]])
+def test_link_is_refused_outside_the_router_path(tmp_path, argv, capsys):
+    from benchmarks.pd.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", *argv, "--workloads", "short", "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2 and "--link needs --engine vllm --via router" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
