@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main_compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from benchmarks.pd.report import table
 
+    if getattr(args, "link", None) and not (args.engine == "vllm" and args.via == "router"):
+        parser.error("--link needs --engine vllm --via router (the vLLM OpenAI servers behind kvstore router)")
     try:
         if args.engine == "vllm" and args.via == "router":
             from benchmarks.pd.http_run import http_compare_config
@@ -231,6 +233,14 @@ def _main_compare(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             cfg = _compare_config(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    if args.engine == "vllm" and args.via == "router" and getattr(args, "link", None):
+        from benchmarks.pd.link import main_link, parse_rates
+
+        try:
+            rates = parse_rates(args.link)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return main_link(http_cfg, rates)
     if args.engine == "vllm" and args.via == "router":
         from benchmarks.pd.http_run import main_http
 

@@ -26,6 +26,10 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
                    help="router: vLLM OpenAI servers behind `kvstore router`, the trace sent over HTTP and timed at "
                         "the client (benchmarks/pd/http_run.py); inprocess: engines in worker processes driven "
                         "step by step (per-step timeline, interference and connector attribution)")
+    g.add_argument("--link", metavar="GBIT[,GBIT...]",
+                   help="with --via router: run the disaggregated pair on two namespace hosts across a link shaped "
+                        "to each rate in Gbit/s (e.g. 1,10,25; needs root), the planner checked against it "
+                        "(benchmarks/pd/link.py); colocated and chunked stay on one host")
 
 
 def _cores(text: str) -> tuple[int, int]:
