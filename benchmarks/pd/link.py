@@ -55,9 +55,9 @@ from benchmarks.pd.compare import _unique_names
 from benchmarks.pd.deployment import Arch
 from benchmarks.pd.http_run import HttpCompareConfig, _vllm_args, compare_http, fit_trace, results
 from benchmarks.pd.make_model import read_shape
-from benchmarks.pd.metrics import Slo as _Slo
-from benchmarks.pd.trace import Trace
+from benchmarks.pd.trace import TokenTrace
 from kvstore.router.fleet import connector_config
+from kvstore.workloads.slo import SLO
 
 REDIS_PORT = 6379
 NODE_PORT = 7070
@@ -184,7 +184,7 @@ class LinkFleet:
         cluster = json.loads(done.stdout).get("cluster") or {}
         return {k: v for k, v in cluster.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-    def replay(self, trace: Trace | None, warm_up: bool = False, probes: list[Trace] | None = None) -> dict:
+    def replay(self, trace: TokenTrace | None, warm_up: bool = False, probes: list[TokenTrace] | None = None) -> dict:
         """The trace replayed by a client on host b through the router; its rows and the router's counters.
         ``probes``: traces sent one after the other straight to the decode server (calibration)."""
         base = f"http://127.0.0.1:{DECODE_PORT if probes else ROUTER_PORT}"
@@ -281,7 +281,7 @@ def rel_error(predicted: float, measured: float) -> float | None:
     return None if not measured else (predicted - measured) / measured
 
 
-def planner_trace(trace: Trace):
+def planner_trace(trace: TokenTrace):
     from kvstore.planner import Trace as PTrace
     from kvstore.planner import TraceRequest as PRequest
 
@@ -315,7 +315,7 @@ def predict(trace, cost, arch: str, max_prefill_tokens: int, link_gbit: float | 
     transfer = None
     if link_gbit is not None:
         transfer = TransferModel(f"veth {link_gbit:.2f} Gbit/s (measured)", HANDOFF_LATENCY_S, link_gbit * 1e9 / 8)
-    ptrace = planner_trace(trace) if isinstance(trace, Trace) else trace
+    ptrace = planner_trace(trace) if isinstance(trace, TokenTrace) else trace
     m = summarize(Simulator(cost, dep, transfer).run(ptrace), SLO(slo.ttft_s, slo.tpot_s))
     return {"ttft_p50_s": m.ttft_p50, "tpot_p50_s": m.tpot_p50}
 
@@ -416,7 +416,7 @@ def rereport(out: Path) -> str:
         kv = p["kv_bytes_per_token"]
         doc["planner"][name] = planner_check(run_rows(out, name, ["colocated", *rates]), doc["results"][name], rates,
                                              kv, e["kv_cache_bytes"] // kv, e["max_model_len"],
-                                             _Slo(**doc["setup"]["slo"]), Calibration(**p["calibration"]))
+                                             SLO(**doc["setup"]["slo"]), Calibration(**p["calibration"]))
     (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
     text = report(doc)
     (out / "report.md").write_text(text)
@@ -424,7 +424,7 @@ def rereport(out: Path) -> str:
 
 
 # -- the comparison ----------------------------------------------------------------------------------------------
-def shifted(trace: Trace, by: int, vocab: int) -> Trace:
+def shifted(trace: TokenTrace, by: int, vocab: int) -> TokenTrace:
     """``trace`` with every prompt token id moved by ``by`` (mod ``vocab``): the same arrivals and lengths, but
     nothing the daemons still hold from the run at the previous link rate (no cached hand-offs)."""
     if by == 0:
@@ -434,14 +434,14 @@ def shifted(trace: Trace, by: int, vocab: int) -> Trace:
     return dataclasses.replace(trace, requests=reqs)
 
 
-def probe_traces(vocab: int, max_model_len: int, repeats: int = 2) -> list[Trace]:
+def probe_traces(vocab: int, max_model_len: int, repeats: int = 2) -> list[TokenTrace]:
     """Calibration probes: ``repeats`` prompts of a short and a long length, 16 output tokens each, alone."""
-    from benchmarks.pd.trace import TraceRequest, TraceScaling
+    from benchmarks.pd.trace import TokenRequest, TraceScaling
 
     out = []
     for i, n in enumerate([128] * repeats + [min(1024, max_model_len - 32)] * repeats):
         ids = tuple(5 + (97 * i + 31 * j) % (vocab - 5) for j in range(n))
-        out.append(Trace(f"probe-{i}", "probe", (TraceRequest(f"probe-{i}", 0.0, ids, 16, n, 16),),
+        out.append(TokenTrace(f"probe-{i}", "probe", (TokenRequest(f"probe-{i}", 0.0, ids, 16, n, 16),),
                          TraceScaling(), 0))
     return out
 

@@ -14,8 +14,8 @@ import pytest
 from paths import ROOT
 
 from benchmarks.pd import link as L
-from benchmarks.pd.metrics import Slo
-from benchmarks.pd.trace import Trace, TraceRequest, TraceScaling
+from benchmarks.pd.trace import TokenRequest, TokenTrace, TraceScaling
+from kvstore.workloads.slo import SLO
 
 
 def test_rates_parse_and_bad_ones_are_refused():
@@ -60,14 +60,14 @@ def test_errors_are_signed_and_relative():
     assert not L.within(L.check_row("x", {"ttft_p50_s": 1.0}, {"ttft_s": None}), 0.25)
 
 
-def _trace(prompt: int, n: int = 4, gap_s: float = 30.0) -> Trace:
-    reqs = tuple(TraceRequest(f"r{i}", i * gap_s, tuple(range(prompt)), 8, 0, 0) for i in range(n))
-    return Trace("t", "t", reqs, TraceScaling(), 0)
+def _trace(prompt: int, n: int = 4, gap_s: float = 30.0) -> TokenTrace:
+    reqs = tuple(TokenRequest(f"r{i}", i * gap_s, tuple(range(prompt)), 8, 0, 0) for i in range(n))
+    return TokenTrace("t", "t", reqs, TraceScaling(), 0)
 
 
 def test_the_planner_predicts_a_slower_first_token_on_a_narrower_link():
     cost = L.Calibration(0.01, 1e-4).cost_model(kv_bytes=1 << 20, kv_capacity_tokens=100_000)
-    slo = Slo(2.0, 0.1, 0.9)
+    slo = SLO(2.0, 0.1, 0.9)
     trace = _trace(1000)
     wide = L.predict(trace, cost, "disaggregated", 4096, 25.0, slo)
     narrow = L.predict(trace, cost, "disaggregated", 4096, 1.0, slo)
