@@ -7,6 +7,7 @@ each other start together (the module fixtures below), two at a time."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -258,3 +259,43 @@ def test_no_daemon_at_start_degraded_mode_serves(no_daemon_runs, baseline):
     assert run.tokens == baseline.tokens
     assert run.counters["loaded_blocks"] == 0 and run.counters["dropped_saves"] > 0
     assert run.counters["lookup_errors"] > 0
+
+
+def test_kv_events_reach_vllms_publisher(engine, workdir, baseline, prompts):
+    """With vLLM's KV events on (zmq publisher), what a router subscribed to the engine receives: for every
+    block the connector saved, a BlockStored (medium STORAGE, ownership kvstore) under vLLM's own hash of that
+    block (the one vLLM's GPU events use) with its tokens; for a prefill instance's promised blocks the store
+    does not hold, a BlockRemoved. Fetched from the publisher's replay socket by the engine's process."""
+    import random
+
+    rng = random.Random(7)
+    promised = [[rng.randrange(3, 1000) for _ in range(2 * BLOCK + 5)]]  # never saved by anyone
+    path = os.path.join(workdir, "promised.json")
+    with open(path, "w") as f:
+        json.dump(promised, f)
+    events_dir = short_tmpdir()
+    d = Daemon(workdir, capacity="256MiB").start()
+    try:
+        run = engine.run(url=d.unix_url, hash_seed=9, args=("--kv-events", events_dir, "--promised-prompts", path))
+    finally:
+        d.stop()
+        shutil.rmtree(events_dir, ignore_errors=True)
+    assert run.tokens[:len(prompts)] == baseline.tokens
+    gpu = {h: e["token_ids"][i * BLOCK:(i + 1) * BLOCK]  # vLLM's own events: block hash -> its tokens
+           for e in run.kv_events if e["type"] == "BlockStored" and e["medium"] == "GPU"
+           for i, h in enumerate(e["block_hashes"])}
+    stored = [e for e in run.kv_events if e["type"] == "BlockStored" and e["medium"] == "STORAGE"]
+    removed = [e for e in run.kv_events if e["type"] == "BlockRemoved" and e["medium"] == "STORAGE"]
+    assert all(e["ownership"] == "kvstore" for e in stored + removed)
+    # every saved block announced once per save, under vLLM's hash, with the tokens vLLM hashed
+    assert len(stored) == run.counters["saved_blocks"]
+    stored_hashes = {e["block_hashes"][0] for e in stored}
+    assert len(stored_hashes) == distinct_full_blocks(prompts + promised)
+    for e in stored:
+        assert e["block_hashes"][0] in gpu and e["token_ids"] == gpu[e["block_hashes"][0]]
+        assert e["block_size"] == BLOCK
+    # the promised blocks were missing: announced removed (then computed and saved by this kv_both engine)
+    assert run.counters["promised_misses"] == 1 and run.counters["promised_missing_blocks"] == 2
+    promised_hashes = [h for e in removed for h in e["block_hashes"]]
+    assert len(promised_hashes) == 2 and set(promised_hashes) <= stored_hashes
+    assert run.counters["events_dropped"] == 0
