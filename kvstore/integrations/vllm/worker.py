@@ -94,6 +94,8 @@ class WorkerSide:
                 theirs = store.inspect(other).get("meta") or {}
                 diff = {f: (theirs.get(f), v) for f, v in mine.items()
                         if f not in ("tp_rank",) and theirs.get(f) != v}
+                if not diff:
+                    continue  # another TP rank of the same layout: its shards are not ours to load
                 log.warning("kvstore worker: the store holds blocks of model %s under layout %s, which differs from "
                             "this instance's layout %s in %s (theirs vs ours): those blocks never hit here; give "
                             "every instance sharing this store the same settings", self.layout.model,

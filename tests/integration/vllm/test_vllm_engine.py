@@ -299,3 +299,33 @@ def test_kv_events_reach_vllms_publisher(engine, workdir, baseline, prompts):
     promised_hashes = [h for e in removed for h in e["block_hashes"]]
     assert len(promised_hashes) == 2 and set(promised_hashes) <= stored_hashes
     assert run.counters["events_dropped"] == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_prefill_decode(engine, workdir, prompts):
+    """TP=2 (two CPU worker processes, each with half the KV heads): a kv_producer saves each rank's shard
+    under its rank's fingerprint, a TP=2 kv_consumer loads every full block from the store (both ranks' keys
+    present) and generates the tokens the producer computed. Several minutes on a 2-core machine."""
+    # Three engine processes (and the daemon) on 2 cores: a store call's 5 s default deadline can pass while the
+    # daemon waits for a core, and the fault is then (correctly) a dropped save or a recomputed load.
+    extra = {"timeout_s": 120.0}
+    d = Daemon(workdir, capacity="256MiB").start()
+    try:
+        producer = engine.run(url=d.unix_url, role="kv_producer", args=("--tp", "2"),
+                              extra={**extra, "handoff_ttl_s": 3600.0})
+        with d.connect("tcp") as s:
+            keys = s.keys("kvp/")
+            layouts = s.keys("vllm/layouts/")
+        consumer = engine.run(url=d.unix_url, role="kv_consumer", args=("--tp", "2", "--no-prefix-cache"),
+                              hash_seed=5, extra=extra)
+    finally:
+        d.stop()
+    assert "differs from this instance's layout" not in producer.stderr + consumer.stderr  # ranks are no mismatch
+    fingerprints = {k.split("/")[1] for k in keys}
+    assert len(fingerprints) == 2 and len(layouts) == 2  # one per TP rank
+    assert len(keys) == 2 * distinct_full_blocks(prompts)  # every block, both shards
+    why = [line for line in consumer.stderr.splitlines() if line.startswith("kvstore ")][-10:]
+    # every full block came from the store
+    assert consumer.cached == [claimable_tokens(p) for p in prompts], (consumer.counters, why)
+    assert consumer.counters["hit_tokens"] == sum(claimable_tokens(p) for p in prompts)
+    assert consumer.tokens == producer.tokens

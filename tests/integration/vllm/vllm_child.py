@@ -63,6 +63,13 @@ def main() -> int:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable vLLM's own prefix cache")
     args = p.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.tp > 1:
+        # vLLM-CPU binds each TP worker's threads to a NUMA node of its own by default and refuses to start
+        # with fewer nodes than workers (one node here): give each worker its share of this process's CPUs.
+        cpus = sorted(os.sched_getaffinity(0))
+        share = len(cpus) // args.tp
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+            ",".join(map(str, cpus[i * share:(i + 1) * share])) for i in range(args.tp)) if share else "nobind")
     from vllm import SamplingParams
 
     with open(args.prompts) as f:
@@ -104,10 +111,14 @@ def main() -> int:
 
         for conn in live_connectors():
             assert conn.wait_for_saves(30.0), "asynchronous saves still queued after 30 s"
-        for _ in range(100):  # an idle offline engine takes no step: step it so vLLM frees the held blocks
+        # An idle offline engine takes no step: step it so vLLM frees the held blocks. With TP > 1 the saves
+        # land in the workers' processes (wait_for_saves above waits only in this one): step until they do.
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline:
             if not any(conn.has_pending_push_work() for conn in live_connectors()):
                 break
             llm.llm_engine.step()
+            time.sleep(0.001)
         assert not any(conn.has_pending_push_work() for conn in live_connectors()), "blocks still held"
         for conn in live_connectors():
             for k, v in conn.counters.as_dict().items():
