@@ -57,6 +57,8 @@ class LoadResult:
     #: keys whose bytes failed their checksum: dropped from the store after the load (see ``drop_corrupt``)
     corrupt_keys: list[str] = field(default_factory=list)
     corrupt_removed: int = 0
+    #: keys that were not in the store (KV events report them removed)
+    missing_keys: list[str] = field(default_factory=list)
 
 
 class BlockIO:
@@ -189,6 +191,7 @@ class BlockIO:
             result.corrupt_keys.append(key)
         elif isinstance(exc, KeyNotFoundError):
             result.missing += 1
+            result.missing_keys.append(key)
 
     def _load_staged(self, store: KVStore, items: Sequence[tuple[str, int]], result: LoadResult) -> list[int]:
         failed: list[int] = []

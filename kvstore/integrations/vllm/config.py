@@ -50,6 +50,9 @@ class ConnectorConfig:
     #: False: the connector sets vLLM's ``kv_load_failure_policy`` to "recompute" (a store fault never
     #: fails a request). True: leave vLLM's policy as configured.
     keep_load_failure_policy: bool = False
+    #: With vLLM's KV events on: at most this many of the connector's events (and as many records per worker)
+    #: wait to be taken; older ones are dropped and counted (``events_dropped``).
+    max_events: int = 10_000
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -21,6 +21,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.errors import StoreConnectionError
 from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.events import EventBook, WorkerEventLog, WorkerEvents, kv_events_enabled
 from kvstore.integrations.vllm.keys import layout_from_vllm_config
 from kvstore.integrations.vllm.scheduler import KVStoreConnectorMetadata, SchedulerSide
 from kvstore.integrations.vllm.stats import Counters, KVStoreConnectorStats
@@ -28,7 +29,10 @@ from kvstore.integrations.vllm.store_link import CONNECTION_ERRORS, log
 from kvstore.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
+    from vllm.distributed.kv_events import KVCacheEvent
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -53,10 +57,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         tp_size = vllm_config.parallel_config.tensor_parallel_size
+        events = kv_events_enabled(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             layouts = [layout_from_vllm_config(vllm_config, kv_cache_config, r) for r in range(tp_size)]
-            self._scheduler = SchedulerSide(self.config, layouts, self.kv_role, vllm_config.cache_config.block_size,
-                                            self.counters)
+            block_size = vllm_config.cache_config.block_size
+            book = EventBook(events, [layout.fingerprint() for layout in layouts], block_size, self.config.max_events)
+            self._scheduler = SchedulerSide(self.config, layouts, self.kv_role, block_size, self.counters, book)
             self._connect_at_start(self._scheduler.link)
             if not self.config.keep_load_failure_policy and transfer.kv_load_failure_policy != "recompute":
                 # A store fault must never fail a request: vLLM recomputes blocks reported as load errors.
@@ -67,7 +73,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
             layout = layout_from_vllm_config(vllm_config, kv_cache_config, get_tensor_model_parallel_rank())
             layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
-            self._worker = WorkerSide(self.config, layout, layer_names, self.counters, self.kv_role)
+            self._worker = WorkerSide(self.config, layout, layer_names, self.counters, self.kv_role,
+                                      WorkerEventLog(events, self.config.max_events))
             self._connect_at_start(self._worker.link)
         _LIVE.add(self)
 
@@ -124,6 +131,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The connector's KV events since the last step (``BlockStored``/``BlockRemoved`` with medium
+        STORAGE): vLLM's scheduler publishes them with its own (:mod:`.events`)."""
+        if self._scheduler is None:
+            return ()
+        book = self._scheduler.events
+        self.counters.events_dropped += book.take_dropped()
+        return book.take()
+
     def has_pending_push_work(self) -> bool:
         # Finished requests' blocks are held for saves in flight: keep the engine stepping so that the
         # workers' get_finished reports them and vLLM frees the blocks, even with no request left.
@@ -163,6 +179,11 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
+
+    def get_kv_connector_kv_cache_events(self) -> WorkerEvents | None:
+        """Worker half: the keys saved and found gone since the last step, carried to the scheduler half in
+        ``KVConnectorOutput.kv_cache_events`` (None when there are none or KV events are off)."""
+        return self._worker.events.take() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
         if self._worker is not None:

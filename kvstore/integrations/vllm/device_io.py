@@ -199,6 +199,7 @@ class DeviceBlocks:
                     result.corrupt_keys.append(key)
                 elif isinstance(exc, KeyNotFoundError):
                     result.missing += 1
+                    result.missing_keys.append(key)
                 failed.append(block_id)
         return good
 

@@ -37,6 +37,7 @@ _HELP = {
     "unpinned_blocks": "Pinned hand-off blocks unpinned once the decode side loaded them",
     "corrupt_removed": "Blocks that failed their checksum, removed from the store (recomputed)",
     "reloads_refused": "Lookups skipped for requests whose loads kept failing (recomputed)",
+    "events_dropped": "KV events dropped because nobody took them (bounded queues)",
 }
 
 

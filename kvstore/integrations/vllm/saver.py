@@ -30,8 +30,9 @@ from kvstore.integrations.vllm.store_link import CONNECTION_ERRORS, StoreLink, S
 
 class AsyncSaver:
     def __init__(self, io: BlockIO, link: StoreLink, count: Callable[..., None], *, ttl: float | None,
-                 max_bytes: int = 256 << 20):
+                 max_bytes: int = 256 << 20, on_saved: Callable[[list[str]], None] | None = None):
         self.io, self.link, self._count, self.ttl, self.max_bytes = io, link, count, ttl, max_bytes
+        self._on_saved = on_saved  # called with the keys of every save that landed (KV events)
         self._queue: queue.Queue = queue.Queue()
         self._pending_bytes = 0
         self._pending: dict[str, int] = {}  # request id -> queued jobs
@@ -95,6 +96,8 @@ class AsyncSaver:
             outcome: dict[str, float] = {"dropped_saves": len(items)}
             try:
                 outcome = self._write(items, pin, ttl)
+                if outcome.get("saved_blocks") and self._on_saved is not None:
+                    self._on_saved([key for key, _ in items])
             finally:
                 # one count: a reader never sees a save both pending and landed (or neither)
                 self._count(req_id=req_id, save_pending_bytes=-nbytes, **outcome)

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvstore.integrations.vllm import transfer_params
 from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.events import BlockInfo, EventBook, external_hash
 from kvstore.integrations.vllm.keys import PROMPT_ROOT, CacheLayout, block_hashes, block_key, prompt_root
 from kvstore.integrations.vllm.lookup import Lookup, Lookups
 from kvstore.integrations.vllm.stats import Counters
@@ -69,11 +70,13 @@ class _Request:
     deadline: float = 0.0          # until when a promise's missing blocks are waited for
     saves_planned: bool = False
     load_attempts: int = 0         # loads planned for this request (a failed one is rescheduled by vLLM)
+    hashes: list[bytes] | None = None  # vLLM's block hashes of the request (KV events name blocks by them)
+    lora: tuple[int | None, str | None] = (None, None)
 
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, layouts: list[CacheLayout], role: str, block_size: int,
-                 counters: Counters):
+                 counters: Counters, events: EventBook | None = None):
         self.config = config
         self.role = role
         self.fingerprints = [layout.fingerprint() for layout in layouts]  # one per TP rank
@@ -82,6 +85,8 @@ class SchedulerSide:
         self.async_saves = config.save_mode != "sync"
         self.block_size = block_size
         self.counters = counters
+        #: KV events for vLLM's publisher (take_events); off unless vLLM's kv_events_config enables them
+        self.events = events if events is not None else EventBook(False, self.fingerprints, block_size)
         #: True: no lookups and no saves (the engine runs as without a connector): A/B measurement in one engine.
         self.paused = False
         self.link = StoreLink(config.url, timeout=config.timeout_s, retry_s=config.retry_s,
@@ -102,6 +107,14 @@ class SchedulerSide:
     def _new_state(self, request: Any) -> _Request:
         state = _Request(list(request.prompt_token_ids or ()), root=key_root(request),
                          cacheable=not _uncacheable(request))
+        if self.events.enabled:
+            hashes = getattr(request, "block_hashes", None)
+            # vLLM hashes blocks of its own hash block size: usable only when it is ours (one hash per block)
+            if isinstance(hashes, list) and len(hashes) == len(state.prompt) // self.block_size:
+                state.hashes = hashes
+            lora = getattr(request, "lora_request", None)
+            if lora is not None:
+                state.lora = (getattr(lora, "adapter_id", None), getattr(lora, "name", None))
         try:
             state.promise = transfer_params.parse(getattr(request, "kv_transfer_params", None))
         except transfer_params.BadParams as exc:
@@ -189,6 +202,9 @@ class SchedulerSide:
             self.counters.handoff_waits += 1
             return True
         missing = promised - local - hits
+        if self.events.enabled:
+            self._note_blocks(state, local + hits, promised)
+            self.events.removed([d.hex() for d in self._digests(state, promised)[local + hits:promised]])
         self.counters.promised_misses += 1
         self.counters.promised_missing_blocks += missing
         log.warning("kvstore scheduler: request %s was promised %d blocks (%d tokens) by its prefill instance but "
@@ -207,6 +223,7 @@ class SchedulerSide:
         if n > 0:
             digests = self._digests(state, first + n)[first:]
             state.load = list(zip(digests, state.block_ids[first:first + n], strict=True))
+            self._note_blocks(state, first, first + n)
             self._to_load.append(request.request_id)
             state.load_attempts += 1
             self.counters.hit_tokens += n * self.block_size
@@ -255,8 +272,20 @@ class SchedulerSide:
             digests = self._digests(state, upto)
             meta.saves.append(BlockTransfer(req_id, [d.hex() for d in digests[state.done_blocks:upto]],
                                             state.block_ids[state.done_blocks:upto]))
+            self._note_blocks(state, state.done_blocks, upto)
             state.done_blocks = upto
             state.saves_planned = True
+
+    def _note_blocks(self, state: _Request, start: int, end: int) -> None:
+        """Tell the event book what blocks ``start:end`` of the request are (their vLLM hashes, tokens)."""
+        if not self.events.enabled:
+            return
+        digests = self._digests(state, end)
+        hashes = state.hashes if state.hashes is not None else digests
+        size = self.block_size
+        infos = [BlockInfo(external_hash(hashes[i]), external_hash(hashes[i - 1]) if i else None,
+                           tuple(state.prompt[i * size:(i + 1) * size]), *state.lora) for i in range(start, end)]
+        self.events.note([d.hex() for d in digests[start:end]], infos)
 
     # ---- finishing: the hand-off ----------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -281,6 +310,7 @@ class SchedulerSide:
     def update_connector_output(self, output: Any) -> None:
         for req_id in getattr(output, "finished_sending", None) or ():
             self._held.discard(req_id)
+        self.events.on_worker_events(getattr(output, "kv_cache_events", None))
         invalid = getattr(output, "invalid_block_ids", None)
         if invalid:
             self._recompute_from(invalid)

@@ -40,6 +40,7 @@ class Counters:
     unpinned_blocks: int = 0    # worker (kv_consumer): pinned hand-off blocks unpinned once loaded
     corrupt_removed: int = 0    # worker: blocks that failed their checksum, removed from the store
     reloads_refused: int = 0    # scheduler: lookups skipped for a request whose loads failed MAX_LOAD_ATTEMPTS times
+    events_dropped: int = 0     # scheduler: KV events dropped because nobody took them (bounded queues)
 
     def add(self, other: Counters) -> None:
         for f in dataclasses.fields(self):

@@ -21,6 +21,7 @@ import torch
 from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.block_io import BlockIO, LoadResult
 from kvstore.integrations.vllm.config import ConnectorConfig
+from kvstore.integrations.vllm.events import WorkerEventLog
 from kvstore.integrations.vllm.keys import CacheLayout, block_key, layout_key, model_layouts_prefix
 from kvstore.integrations.vllm.loader import AsyncLoader, unpin_loaded
 from kvstore.integrations.vllm.request_bytes import RequestTransfer, RequestTransfers
@@ -35,8 +36,10 @@ _REQUEST_FIELDS = frozenset(f.name for f in dataclasses.fields(RequestTransfer))
 
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, layout: CacheLayout, layer_names: list[str], counters: Counters,
-                 role: str = "kv_both"):
+                 role: str = "kv_both", events: WorkerEventLog | None = None):
         self.config = config
+        #: keys saved and found gone, for vLLM's KV events (records nothing unless they are enabled)
+        self.events = events if events is not None else WorkerEventLog(False)
         #: the decode side of a hand-off unpins the pinned blocks it loaded (their TTL stays the backstop)
         self.unpin_loaded = role == "kv_consumer"
         self.async_saves = config.save_mode != "sync"
@@ -63,7 +66,7 @@ class WorkerSide:
         self.io = BlockIO([kv_caches[name] for name in self.layer_names], self.layout, verify=self.config.verify)
         if self.async_saves:
             self.saver = AsyncSaver(self.io, self._link("saver"), self._count, ttl=self.config.ttl_s,
-                                    max_bytes=self.config.max_pending_save_bytes)
+                                    max_bytes=self.config.max_pending_save_bytes, on_saved=self.events.stored)
         if self.config.async_loads:
             self.loader = AsyncLoader(self.io, self._link("loader"), unpin=self.unpin_loaded, count=self._count)
         log.info("kvstore worker: %d layers, %s/%s %s, block %d tokens = %d bytes, layout %s", len(self.layer_names),
@@ -91,6 +94,8 @@ class WorkerSide:
                 theirs = store.inspect(other).get("meta") or {}
                 diff = {f: (theirs.get(f), v) for f, v in mine.items()
                         if f not in ("tp_rank",) and theirs.get(f) != v}
+                if not diff:
+                    continue  # another TP rank of the same layout: its shards are not ours to load
                 log.warning("kvstore worker: the store holds blocks of model %s under layout %s, which differs from "
                             "this instance's layout %s in %s (theirs vs ours): those blocks never hit here; give "
                             "every instance sharing this store the same settings", self.layout.model,
@@ -145,6 +150,7 @@ class WorkerSide:
         self._count(req_id, loaded_blocks=result.loaded, load_bytes=result.nbytes, load_seconds=result.seconds,
                     checksum_errors=result.checksum_errors, missing_blocks=result.missing,
                     corrupt_removed=result.corrupt_removed)
+        self.events.removed(result.missing_keys + result.corrupt_keys)
         if result.checksum_errors:
             log.warning("kvstore worker: %d block(s) of request %s failed their checksum; recomputing them",
                         result.checksum_errors, req_id)
@@ -212,6 +218,7 @@ class WorkerSide:
             return
         seconds = time.perf_counter() - start
         self._count(saved_blocks=len(items), save_bytes=nbytes, save_seconds=seconds)
+        self.events.stored([key for key, _ in items])
         for transfer in meta.saves:  # one write for the step's requests: each gets its blocks' share
             share = len(transfer.block_ids) / len(items)
             self.requests.add(transfer.req_id, saved_blocks=len(transfer.block_ids),

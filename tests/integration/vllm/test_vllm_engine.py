@@ -7,6 +7,7 @@ each other start together (the module fixtures below), two at a time."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -277,3 +278,73 @@ def test_no_daemon_at_start_degraded_mode_serves(no_daemon_runs, baseline):
     assert run.tokens == baseline.tokens
     assert run.counters["loaded_blocks"] == 0 and run.counters["dropped_saves"] > 0
     assert run.counters["lookup_errors"] > 0
+
+
+def test_kv_events_reach_vllms_publisher(engine, workdir, baseline, prompts):
+    """With vLLM's KV events on (zmq publisher), what a router subscribed to the engine receives: for every
+    block the connector saved, a BlockStored (medium STORAGE, ownership kvstore) under vLLM's own hash of that
+    block (the one vLLM's GPU events use) with its tokens; for a prefill instance's promised blocks the store
+    does not hold, a BlockRemoved. Fetched from the publisher's replay socket by the engine's process."""
+    import random
+
+    rng = random.Random(7)
+    promised = [[rng.randrange(3, 1000) for _ in range(2 * BLOCK + 5)]]  # never saved by anyone
+    path = os.path.join(workdir, "promised.json")
+    with open(path, "w") as f:
+        json.dump(promised, f)
+    events_dir = short_tmpdir()
+    d = Daemon(workdir, capacity="256MiB").start()
+    try:
+        run = engine.run(url=d.unix_url, hash_seed=9, args=("--kv-events", events_dir, "--promised-prompts", path))
+    finally:
+        d.stop()
+        shutil.rmtree(events_dir, ignore_errors=True)
+    assert run.tokens[:len(prompts)] == baseline.tokens
+    gpu = {h: e["token_ids"][i * BLOCK:(i + 1) * BLOCK]  # vLLM's own events: block hash -> its tokens
+           for e in run.kv_events if e["type"] == "BlockStored" and e["medium"] == "GPU"
+           for i, h in enumerate(e["block_hashes"])}
+    stored = [e for e in run.kv_events if e["type"] == "BlockStored" and e["medium"] == "STORAGE"]
+    removed = [e for e in run.kv_events if e["type"] == "BlockRemoved" and e["medium"] == "STORAGE"]
+    assert all(e["ownership"] == "kvstore" for e in stored + removed)
+    # every saved block announced once per save, under vLLM's hash, with the tokens vLLM hashed
+    assert len(stored) == run.counters["saved_blocks"]
+    stored_hashes = {e["block_hashes"][0] for e in stored}
+    assert len(stored_hashes) == distinct_full_blocks(prompts + promised)
+    for e in stored:
+        assert e["block_hashes"][0] in gpu and e["token_ids"] == gpu[e["block_hashes"][0]]
+        assert e["block_size"] == BLOCK
+    # the promised blocks were missing: announced removed (then computed and saved by this kv_both engine)
+    assert run.counters["promised_misses"] == 1 and run.counters["promised_missing_blocks"] == 2
+    promised_hashes = [h for e in removed for h in e["block_hashes"]]
+    assert len(promised_hashes) == 2 and set(promised_hashes) <= stored_hashes
+    assert run.counters["events_dropped"] == 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_prefill_decode(engine, workdir, prompts):
+    """TP=2 (two CPU worker processes, each with half the KV heads): a kv_producer saves each rank's shard
+    under its rank's fingerprint, a TP=2 kv_consumer loads every full block from the store (both ranks' keys
+    present) and generates the tokens the producer computed. Several minutes on a 2-core machine."""
+    # Three engine processes (and the daemon) on 2 cores: a store call's 5 s default deadline can pass while the
+    # daemon waits for a core, and the fault is then (correctly) a dropped save or a recomputed load.
+    extra = {"timeout_s": 120.0}
+    d = Daemon(workdir, capacity="256MiB").start()
+    try:
+        producer = engine.run(url=d.unix_url, role="kv_producer", args=("--tp", "2"),
+                              extra={**extra, "handoff_ttl_s": 3600.0})
+        with d.connect("tcp") as s:
+            keys = s.keys("kvp/")
+            layouts = s.keys("vllm/layouts/")
+        consumer = engine.run(url=d.unix_url, role="kv_consumer", args=("--tp", "2", "--no-prefix-cache"),
+                              hash_seed=5, extra=extra)
+    finally:
+        d.stop()
+    assert "differs from this instance's layout" not in producer.stderr + consumer.stderr  # ranks are no mismatch
+    fingerprints = {k.split("/")[1] for k in keys}
+    assert len(fingerprints) == 2 and len(layouts) == 2  # one per TP rank
+    assert len(keys) == 2 * distinct_full_blocks(prompts)  # every block, both shards
+    why = [line for line in consumer.stderr.splitlines() if line.startswith("kvstore ")][-10:]
+    # every full block came from the store
+    assert consumer.cached == [claimable_tokens(p) for p in prompts], (consumer.counters, why)
+    assert consumer.counters["hit_tokens"] == sum(claimable_tokens(p) for p in prompts)
+    assert consumer.tokens == producer.tokens

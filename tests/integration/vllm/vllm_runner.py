@@ -31,6 +31,7 @@ class Run:
     results: list[dict]
     counters: dict
     stderr: str = ""
+    kv_events: list[dict] | None = None  # with --kv-events: every KV event the engine published
 
     @property
     def tokens(self) -> list[list[int]]:
@@ -138,7 +139,7 @@ class EngineRunner:
 def load_run(path: str) -> Run:
     with open(path) as f:
         data = json.load(f)
-    return Run(data["results"], data["counters"])
+    return Run(data["results"], data["counters"], kv_events=data.get("kv_events"))
 
 
 def segment_address(pid: int, segment: int) -> int:
