@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from kvstore.core.master import describe_replica
+from kvstore.core.master import Lease, describe_replica
 from kvstore.core.meta import ObjectMeta
 from kvstore.daemon.arena_ops import ArenaOps
 from kvstore.daemon.connection import INLINE_REPLY, Closed, Connection
@@ -63,6 +63,18 @@ _AUTH_BACKOFF = AuthBackoff()
 Handler = Callable[[int, dict[str, Any]], Awaitable[dict[str, Any] | None]]
 _Closed = Closed
 
+
+
+def region_entry(lease: Lease, meta: ObjectMeta) -> dict[str, Any]:
+    """One key's answer in a ``get_regions`` reply: where its leased bytes are (``meta`` describes them)."""
+    replica = lease.replica
+    return {"meta": meta.to_wire(), "segment": replica.segment, "offset": replica.offset, "size": meta.size,
+            "lease": lease.id}
+
+
+def region_error(exc: KVStoreError) -> dict[str, Any]:
+    """One key's answer in a ``get_regions`` reply when it cannot be served: its typed error."""
+    return {"error": getattr(exc, "code", "Server"), "message": str(exc)}
 
 class Session:
     def __init__(self, ctx: DaemonContext, sock: socket.socket, peer: str):
@@ -449,7 +461,7 @@ class Session:
             try:
                 lease = self.master.lease(key, client_of(self))
             except KVStoreError as exc:
-                out.append({"error": getattr(exc, "code", "Server"), "message": str(exc)})
+                out.append(region_error(exc))
                 continue
             replica = lease.replica
             if self.gpu.on_gpu(replica):
@@ -457,8 +469,7 @@ class Session:
                 out.append({"error": "InvalidArgument", "message": f"object {key!r} is in GPU memory; get it "
                             "on its own"})
                 continue
-            out.append({"meta": replica.meta.to_wire(), "segment": replica.segment, "offset": replica.offset,
-                        "size": replica.size, "lease": lease.id})
+            out.append(region_entry(lease, replica.meta))
         return self._ok(rid, value=out)
 
     async def op_unpin(self, rid: int, f: dict[str, Any]) -> dict[str, Any]:

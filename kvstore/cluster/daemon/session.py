@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.core.master import Lease
 from kvstore.core.meta import ObjectMeta
-from kvstore.daemon.session import _INLINE_REPLY, Handler, Session
+from kvstore.daemon.session import _INLINE_REPLY, Handler, Session, region_entry, region_error
 from kvstore.errors import KeyExistsError, KeyNotFoundError, KVStoreError, StoreConnectionError
 from kvstore.protocol import wire
 
@@ -105,10 +105,8 @@ class ClusterSession(Session):
             try:
                 lease, meta = await self.ctx.remote.fetch(key, self.client)
             except KVStoreError as exc:
-                return {"error": getattr(exc, "code", "Server"), "message": str(exc)}
-            r = lease.replica
-            return {"meta": meta.to_wire(), "segment": r.segment, "offset": r.offset, "size": meta.size,
-                    "lease": lease.id}
+                return region_error(exc)
+            return region_entry(lease, meta)
 
         others = [k for k in keys if k not in by_key]
         by_key.update(zip(others, await asyncio.gather(*(remote(k) for k in others)), strict=True))
