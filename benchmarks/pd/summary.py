@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from benchmarks.pd.record import RequestRecord
-from kvstore.workloads.stats import percentiles
+from kvstore.workloads.stats import PERCENTILES, distribution
 
-PERCENTILES = (50, 90, 99)
-
-
-def distribution(values: list[float]) -> dict | None:
-    """p50/p90/p99, mean and max of ``values`` (seconds), or None when there are none."""
-    if not values:
-        return None
-    arr = np.asarray(values, dtype=np.float64)
-    out = {f"p{p}": round(v, 6) for p, v in zip(PERCENTILES, percentiles(arr, PERCENTILES), strict=True)}
-    out.update(mean=round(float(arr.mean()), 6), max=round(float(arr.max()), 6), n=len(values))
-    return out
+__all__ = ["PERCENTILES", "distribution", "summarize"]
 
 
 def _field(rows: list[dict], name: str) -> list[float]:

@@ -12,16 +12,7 @@ moved, the hand-off's share of TTFT, the decode queue).
 from __future__ import annotations
 
 from kvstore.workloads.slo import SLO
-
-MiB = 1 << 20
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1000:.0f} ms"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x * 100:.0f}%"
+from kvstore.workloads.verdict import MiB, burst_reason, interference_reason, miss, pct, transfer_reason
 
 
 def _cpu(card: dict) -> float:
@@ -33,49 +24,6 @@ def resources(card: dict) -> tuple:
     m = card["memory"]
     held = m["peak_kv_bytes"] + (m["store_kv_bytes_at_end"] or 0)
     return m["model_memory_duplication"], card["transfer"]["kv_bytes_transferred"], held, round(_cpu(card), 1)
-
-
-def _miss(card: dict, slo: SLO) -> str:
-    """Why a run missed: the percentiles past the limits, or lost requests."""
-    if card["requests"]["lost"]:
-        return f"lost {card['requests']['lost']} requests"
-    parts = []
-    for name, limit in (("ttft_s", slo.ttft_s), ("tpot_s", slo.tpot_s)):
-        d = card[name]
-        if d and d["p90"] > limit:
-            parts.append(f"{name[:4].upper()} p90 {_ms(d['p90'])} > {_ms(limit)}")
-    attain = card["slo"]["attainment_interactive"]
-    return (", ".join(parts) or "attainment short") + f" (interactive attainment {_pct(attain)})"
-
-
-def _interference(arch: str, card: dict) -> str:
-    i = card["interference"]
-    if not i["gaps_with_prefill"]:
-        return f"{arch}: no decode step ever waited on a prefill ({i['gaps']} inter-token gaps)"
-    return (f"{arch}: {_pct(i['share_with_prefill'])} of inter-token gaps had a prefill on the same worker, "
-            f"p50 {_ms(i['gap_p50_with_prefill_s'])} vs {_ms(i['gap_p50_decode_only_s'])} without "
-            f"(+{_pct(i['tpot_inflation'])})")
-
-
-def _transfer(arch: str, card: dict) -> str:
-    t = card["transfer"]
-    if not t["kv_bytes_transferred"]:
-        return f"{arch}: no KV moved"
-    dq = card["decode_queue_s"]
-    return (f"{arch}: moved {t['kv_bytes_transferred'] / MiB:.1f} MiB of KV in {t['handoffs']} hand-offs, transfer "
-            f"p50 {_ms(t['transfer_s']['p50'])} = {_pct(t['share_of_ttft']['p50'])} of TTFT (p50; "
-            f"{_pct(t['share_of_ttft']['aggregate'])} of all TTFT), decode queue p50 {_ms(dq['p50'] if dq else None)}")
-
-
-def _burst(arch: str, card: dict) -> str | None:
-    b = card["burst"]
-    if b is None or b["interactive_gap_p90_inside_s"] is None:
-        return None
-    bg = (card["by_class"].get("background") or {}).get("ttft_s")
-    change = "-" if b["p90_inflation"] is None else f"{b['p90_inflation']:+.0%}"
-    return (f"{arch}: interactive inter-token gap p90 {_ms(b['interactive_gap_p90_inside_s'])} while background "
-            f"requests arrive and prefill vs {_ms(b['interactive_gap_p90_outside_s'])} otherwise ({change}), "
-            f"background TTFT p90 {_ms(bg['p90'] if bg else None)}")
 
 
 def _starved(card: dict, below: float = 0.5) -> bool:
@@ -90,18 +38,18 @@ def verdict(by_arch: dict[str, dict], slo: SLO) -> dict:
     if winner is not None:
         card = by_arch[winner]
         dup, moved, held, cpu = resources(card)
-        head = (f"{winner} meets the SLOs (interactive attainment {_pct(card['slo']['attainment_interactive'])}, "
+        head = (f"{winner} meets the SLOs (interactive attainment {pct(card['slo']['attainment_interactive'])}, "
                 f"goodput {card['slo']['goodput_rps']:.2f} req/s) with the least resources among "
                 f"{', '.join(meets)}: {dup:g} weight copies, {moved / MiB:.1f} MiB KV moved, "
                 f"{held / MiB:.1f} MiB KV held, {cpu:.0f} CPU s")
     else:
         card = by_arch[best]
         head = (f"no architecture meets the SLOs at this load; closest: {best} (interactive attainment "
-                f"{_pct(card['slo']['attainment_interactive'])}, goodput {card['slo']['goodput_rps']:.2f} req/s)")
-    misses = {a: _miss(c, slo) for a, c in by_arch.items() if not c["slo"]["met"]}
-    why = [_interference(a, c) for a, c in by_arch.items()] + [_transfer(a, c) for a, c in by_arch.items()
+                f"{pct(card['slo']['attainment_interactive'])}, goodput {card['slo']['goodput_rps']:.2f} req/s)")
+    misses = {a: miss(c, slo) for a, c in by_arch.items() if not c["slo"]["met"]}
+    why = [interference_reason(a, c) for a, c in by_arch.items()] + [transfer_reason(a, c) for a, c in by_arch.items()
                                                                  if c["transfer"]["kv_bytes_transferred"]]
-    bursts = [s for a, c in by_arch.items() if (s := _burst(a, c))]
+    bursts = [s for a, c in by_arch.items() if (s := burst_reason(a, c))]
     text = head + ". " + ("Misses: " + "; ".join(f"{a}: {m}" for a, m in misses.items()) + ". " if misses else "")
     text += "Interference vs transfer: " + "; ".join(why) + "."
     if bursts:

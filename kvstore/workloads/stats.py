@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
-__all__ = ["percentile", "median", "percentiles"]
+__all__ = ["PERCENTILES", "percentile", "median", "percentiles", "distribution"]
+
+PERCENTILES = (50, 90, 99)  # what a distribution reports
 
 
 def _samples(values: Iterable[float]) -> np.ndarray:
@@ -47,3 +50,15 @@ def percentiles(values: Iterable[float], qs: Iterable[float]) -> list[float]:
 def median(values: Iterable[float]) -> float:
     """The 50th percentile (the mean of the two middle samples for an even count)."""
     return percentile(values, 50)
+
+
+def distribution(values: list[float]) -> dict[str, Any] | None:
+    """p50/p90/p99, mean and max of ``values`` (seconds), rounded to the microsecond, and their count; None
+    when there are none. The form run summaries (``summary.json``) store a latency in."""
+    if not values:
+        return None
+    arr = np.asarray(values, dtype=np.float64)
+    out: dict[str, Any] = {f"p{p}": round(v, 6) for p, v in zip(PERCENTILES, percentiles(arr, PERCENTILES),
+                                                                 strict=True)}
+    out.update(mean=round(float(arr.mean()), 6), max=round(float(arr.max()), 6), n=len(values))
+    return out
