@@ -1,6 +1,9 @@
 """The comparison's metrics of one run: what ``compare`` puts in summary.json for each architecture x workload.
 
-Input: the run's ``summary.json``, ``requests.jsonl`` and ``timeline.jsonl`` (deployment.py). Definitions:
+Input: the run's ``summary.json``, ``requests.jsonl`` and ``timeline.jsonl`` (deployment.py). The latencies,
+throughput, transfer, SLO, per-class, interference and burst blocks are the shared aggregate of
+:mod:`kvstore.workloads.metrics` (the planner's too), from the rows and the timeline's prefill steps; the rest
+(memory, energy, faults, CPU) comes from the run's summary. Definitions:
 
 - SLO: kvstore's one :class:`~kvstore.workloads.slo.SLO` and its accounting (:func:`~kvstore.workloads.slo.judge`),
   the planner's too: a request meets it when TTFT <= ``slo.ttft_s`` and TPOT <= ``slo.tpot_s`` (one-token
@@ -15,23 +18,29 @@ Input: the run's ``summary.json``, ``requests.jsonl`` and ``timeline.jsonl`` (de
 
 from __future__ import annotations
 
-from kvstore.workloads.metrics import _pcts, burst, by_class, interference, slo_block
+from kvstore.workloads.metrics import (
+    Aggregate,
+    Pcts,
+    RequestOutcome,
+    aggregate,
+    burst,
+    by_class,
+    interference,
+    prefill_step_starts,
+    slo_block,
+)
 from kvstore.workloads.slo import SLO
 
 __all__ = ["burst", "by_class", "cpu_share", "interference", "scorecard", "slo_block"]
 
 
-def _transfer(summary: dict, rows: list[dict]) -> dict:
-    t = summary["transfer"]
-    moved = [r for r in rows if r["kv_bytes_transferred"] and r["ttft_s"]]
-    total_ttft = sum(r["ttft_s"] for r in moved)
-    aggregate = sum(r["transfer_s"] for r in moved) / total_ttft if total_ttft else 0.0
-    share = t["transfer_share_of_ttft"]
-    return {"kv_bytes_transferred": t["kv_bytes_transferred"], "handoffs": t["handoffs"],
-            "refetches": t.get("refetches", 0),
-            "transfer_s": {k: t["transfer_s"][k] for k in ("p50", "p99")} if t["transfer_s"] else None,
-            "share_of_ttft": {"p50": share["p50"] if share else 0.0, "p99": share["p99"] if share else 0.0,
-                              "aggregate": round(aggregate, 4)}}
+def _transfer(agg: Aggregate, summary: dict) -> dict:
+    share = agg.transfer_share_per_request
+    return {"kv_bytes_transferred": agg.kv_bytes_transferred, "handoffs": agg.handoffs,
+            "refetches": summary["transfer"].get("refetches", 0),
+            "transfer_s": None if agg.transfer is None else agg.transfer.to_dict(("p50", "p99")),
+            "share_of_ttft": {**(share.to_dict(("p50", "p99")) if share else {"p50": 0.0, "p99": 0.0}),
+                              "aggregate": round(agg.transfer_share_of_ttft, 4)}}
 
 
 def _memory(summary: dict) -> dict:
@@ -54,24 +63,29 @@ def cpu_share(summary: dict, timeline: list[dict]) -> dict[str, float]:
     return {w: round(min(cpu[w] / b, 1.0), 3) for w, b in busy.items() if w in cpu and b > 0}
 
 
+def _pcts(p: Pcts | None) -> dict | None:
+    return None if p is None else p.to_dict()
+
+
 def scorecard(summary: dict, rows: list[dict], timeline: list[dict], slo: SLO) -> dict:
-    """Every metric of one architecture x workload (see the module docstring)."""
-    t = summary["throughput"]
-    duration = t.get("duration_s", 0.0)
-    req = summary["requests"]
+    """Every metric of one architecture x workload: the shared ones (:func:`kvstore.workloads.metrics.aggregate`
+    of the rows and the timeline's prefill steps) and the run's own (memory, energy, faults, CPU)."""
+    agg = aggregate([RequestOutcome.from_row(r) for r in rows], slo, prefill_starts=prefill_step_starts(timeline))
     return {
-        "requests": {**req, "refetched": summary["transfer"].get("refetches", 0)},
-        "throughput": {"prompt_tokens_per_s": t.get("prompt_tokens_per_s", 0.0),
-                       "output_tokens_per_s": t.get("output_tokens_per_s", 0.0), "duration_s": duration},
-        "ttft_s": _pcts(summary["ttft_s"]), "tpot_s": _pcts(summary["tpot_s"]),
-        "prefill_queue_s": _pcts(summary["prefill_queue_s"]), "decode_queue_s": _pcts(summary["decode_queue_s"]),
-        "transfer": _transfer(summary, rows),
+        "requests": {**summary["requests"], "total": agg.requests, "completed": agg.completed, "lost": agg.lost,
+                     "refetched": summary["transfer"].get("refetches", 0)},
+        "throughput": {"prompt_tokens_per_s": round(agg.prompt_tokens_per_s or 0.0, 2),
+                       "output_tokens_per_s": round(agg.output_tokens_per_s or 0.0, 2),
+                       "duration_s": round(agg.duration_s, 6)},
+        "ttft_s": _pcts(agg.ttft), "tpot_s": _pcts(agg.tpot),
+        "prefill_queue_s": _pcts(agg.prefill_queue), "decode_queue_s": _pcts(agg.decode_queue),
+        "transfer": _transfer(agg, summary),
         "memory": _memory(summary),
         "energy": summary["energy"],
-        "slo": slo_block(rows, slo, duration),
-        "by_class": by_class(rows, slo),
-        "interference": interference(rows, timeline),
-        "burst": burst(rows),
+        "slo": agg.slo_dict(),
+        "by_class": {k: c.to_dict() for k, c in agg.by_class.items()},
+        "interference": agg.interference.to_dict() if agg.interference else None,
+        "burst": None if agg.burst is None else agg.burst.to_dict(),
         "fault": summary.get("fault"),
         "compute": {"workers": [w["role"] for w in summary["deployment"]["workers"]],
                     "threads_per_worker": summary["deployment"]["workers"][0]["threads"],

@@ -1,7 +1,8 @@
 """Per-request results of a simulation and the aggregate metrics the planner reports.
 
-The SLO and its accounting (attainment, goodput, "meets the SLO") are :mod:`kvstore.workloads.slo`, the
-same as the measured comparison's in ``benchmarks/pd``."""
+The shared metrics (percentiles, throughput, transfer share, the SLO and its accounting) are
+:mod:`kvstore.workloads.metrics` and :mod:`kvstore.workloads.slo`, the same as the measured comparison's in
+``benchmarks/pd``; this module adds what only a simulation has."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore.workloads.slo import SLO, judge
+from kvstore.workloads.metrics import Pcts, RequestOutcome, aggregate
+from kvstore.workloads.slo import SLO
 from kvstore.workloads.stats import percentile
 
 if TYPE_CHECKING:
@@ -50,6 +52,18 @@ class RequestResult:
 
     def meets(self, slo: SLO) -> bool:
         return not self.rejected and slo.meets(self.ttft_s, self.tpot_s)
+
+    def outcome(self) -> RequestOutcome:
+        """As the shared per-request record (all requests of a simulation are interactive)."""
+        if self.rejected:
+            return RequestOutcome(id=self.id, arrival_s=self.arrival_s, prompt_tokens=self.prompt_tokens,
+                                  output_tokens=self.output_tokens, rejected=True)
+        return RequestOutcome(
+            id=self.id, arrival_s=self.arrival_s, prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens,
+            ttft_s=self.ttft_s, tpot_s=self.tpot_s, prefill_queue_s=self.prefill_queue_s,
+            decode_queue_s=self.decode_queue_s, prefill_end_s=self.prefill_end_s, finish_s=self.finish_s,
+            transfer_s=self.transfer_s, kv_bytes=self.kv_bytes,
+            kv_bytes_transferred=self.kv_bytes if self.transferred else 0, token_times_s=self.token_times_s or ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,54 +144,49 @@ class GapHistogram:
         return self.LOW * 10 ** ((idx + 0.5) / self.BINS_PER_DECADE)
 
 
-def _pct(values: list[float], q: float) -> float:
-    return percentile(values, q) if values else NAN
+def _p(p: Pcts | None, q: str) -> float:
+    return NAN if p is None else float(getattr(p, q))
+
+
+def _rate(x: float | None) -> float:
+    return NAN if x is None else x
 
 
 def summarize(result: SimResult, slo: SLO) -> Metrics:
-    """Aggregate one simulation against ``slo``."""
+    """Aggregate one simulation against ``slo``: the shared metrics (:func:`kvstore.workloads.metrics.aggregate`
+    of the requests) plus the simulation's own (GPUs, utilization, weights, peak KV, the inter-token gap
+    histogram, and the decode time lost to prefill stalls, which the simulator records per request)."""
     dep = result.deployment
-    done = [r for r in result.requests if not r.rejected]
-    duration = result.makespan_s
-    ttft = [r.ttft_s for r in done]
-    tpot = [r.tpot_s for r in done if r.tpot_s is not None]
-    moved = [r for r in done if r.transferred]
-    decoding = [r for r in done if r.tpot_s is not None]
+    agg = aggregate([r.outcome() for r in result.requests], slo, classes=False)
+    duration = agg.duration_s
+    decoding = [r for r in result.requests if not r.rejected and r.tpot_s is not None]
     shares = [r.stall_s / (r.tpot_s * (r.output_tokens - 1)) for r in decoding if r.tpot_s > 0]
     clean = [r.tpot_s - r.stall_s / (r.output_tokens - 1) for r in decoding]
-    tally = judge(slo, ((None if r.rejected else r.ttft_s, r.tpot_s, "interactive") for r in result.requests),
-                  duration)
     front = dep.prefill_workers if dep.arch.value == "disaggregated" else dep.workers
     back = dep.decode_workers
-    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: NAN)
-    ttft_sum = sum(r.ttft_s for r in moved)
-    ttft_p90, tpot_p90 = _pct(ttft, 90), _pct(tpot, 90)
     return Metrics(
         label=dep.label, arch=dep.arch.value, gpus=dep.gpus, tp=dep.tp, workers=dep.workers,
-        requests=len(result.requests), completed=len(done), rejected=len(result.requests) - len(done),
+        requests=agg.requests, completed=agg.completed, rejected=agg.requests - agg.completed,
         duration_s=duration,
-        prompt_tokens_per_s=per_s(sum(r.prompt_tokens for r in done)),
-        output_tokens_per_s=per_s(sum(r.output_tokens for r in done)),
-        ttft_p50=_pct(ttft, 50), ttft_p90=ttft_p90, ttft_p99=_pct(ttft, 99),
-        tpot_p50=_pct(tpot, 50), tpot_p90=tpot_p90, tpot_p99=_pct(tpot, 99),
+        prompt_tokens_per_s=_rate(agg.prompt_tokens_per_s), output_tokens_per_s=_rate(agg.output_tokens_per_s),
+        ttft_p50=_p(agg.ttft, "p50"), ttft_p90=_p(agg.ttft, "p90"), ttft_p99=_p(agg.ttft, "p99"),
+        tpot_p50=_p(agg.tpot, "p50"), tpot_p90=_p(agg.tpot, "p90"), tpot_p99=_p(agg.tpot, "p99"),
         itl_p50=result.gaps.percentile(50), itl_p99=result.gaps.percentile(99),
-        prefill_queue_p50=_pct([r.prefill_queue_s for r in done], 50),
-        prefill_queue_p99=_pct([r.prefill_queue_s for r in done], 99),
-        decode_queue_p50=_pct([r.decode_queue_s for r in done], 50),
-        decode_queue_p99=_pct([r.decode_queue_s for r in done], 99),
-        kv_bytes_transferred=result.kv_bytes_transferred,
-        transfer_p50=_pct([r.transfer_s for r in moved], 50) if moved else 0.0,
-        transfer_p99=_pct([r.transfer_s for r in moved], 99) if moved else 0.0,
-        transfer_share_of_ttft=(sum(r.transfer_s for r in moved) / ttft_sum) if ttft_sum else 0.0,
+        prefill_queue_p50=_p(agg.prefill_queue, "p50"), prefill_queue_p99=_p(agg.prefill_queue, "p99"),
+        decode_queue_p50=_p(agg.decode_queue, "p50"), decode_queue_p99=_p(agg.decode_queue, "p99"),
+        kv_bytes_transferred=agg.kv_bytes_transferred,
+        transfer_p50=agg.transfer.p50 if agg.transfer else 0.0,
+        transfer_p99=agg.transfer.p99 if agg.transfer else 0.0,
+        transfer_share_of_ttft=agg.transfer_share_of_ttft,
         weight_duplication=float(dep.workers),
         weight_bytes_resident=dep.workers * result.cost.weight_bytes,
         peak_kv_bytes=float(result.peak_kv_tokens * result.cost.kv_bytes_per_token),
-        tpot_p90_without_stalls=_pct(clean, 90),
+        tpot_p90_without_stalls=percentile(clean, 90) if clean else NAN,
         interference_share_of_tpot=float(np.mean(shares)) if shares else 0.0,
         prefill_utilization=(result.prefill_busy_s / (front * duration)) if duration > 0 else NAN,
         decode_utilization=(result.decode_busy_s / (back * duration)) if duration > 0 and back else NAN,
-        slo_attainment=tally.attainment,
-        goodput_rps=tally.goodput_rps,
-        slo_ratio=max(ttft_p90 / slo.ttft_s if ttft else math.inf, tpot_p90 / slo.tpot_s if tpot else 0.0),
-        meets_slo=tally.meets_slo,
+        slo_attainment=agg.slo.attainment,
+        goodput_rps=agg.slo.goodput_rps,
+        slo_ratio=agg.slo_ratio,
+        meets_slo=agg.slo.meets_slo,
     )
