@@ -7,12 +7,16 @@ then KV memory held (worker caches at peak plus what the store still holds), the
 daemon). "Why" weighs the two costs the question is about, both measured in the same runs: interference (how
 much longer a running decode's inter-token gap is when a prefill shares its worker) against transfer (KV bytes
 moved, the hand-off's share of TTFT, the decode queue).
+
+The choice (who meets, the winner, the closest: interactive attainment then goodput, the misses) and the
+wording of the misses and reasons are the shared verdict core's (:mod:`kvstore.workloads.verdict`, the
+planner's too); this module gives it the ranking (:func:`resources`) and the run's own cautions (starved CPU).
 """
 
 from __future__ import annotations
 
 from kvstore.workloads.slo import SLO
-from kvstore.workloads.verdict import MiB, burst_reason, interference_reason, miss, pct, transfer_reason
+from kvstore.workloads.verdict import MiB, Standing, burst_reason, choose, interference_reason, pct, transfer_reason
 
 
 def _cpu(card: dict) -> float:
@@ -32,9 +36,9 @@ def _starved(card: dict, below: float = 0.5) -> bool:
 
 
 def verdict(by_arch: dict[str, dict], slo: SLO) -> dict:
-    meets = [a for a, card in by_arch.items() if card["slo"]["met"]]
-    winner = min(meets, key=lambda a: resources(by_arch[a])) if meets else None
-    best = max(by_arch, key=lambda a: (by_arch[a]["slo"]["attainment_interactive"], by_arch[a]["slo"]["goodput_rps"]))
+    """The shared choice (:func:`kvstore.workloads.verdict.choose`) ranked by :func:`resources`, in words."""
+    choice = choose({a: Standing.of_card(c) for a, c in by_arch.items()}, slo, cost=lambda a: resources(by_arch[a]))
+    meets, winner, best, misses = list(choice.meeting), choice.winner, choice.closest, choice.misses
     if winner is not None:
         card = by_arch[winner]
         dup, moved, held, cpu = resources(card)
@@ -46,7 +50,6 @@ def verdict(by_arch: dict[str, dict], slo: SLO) -> dict:
         card = by_arch[best]
         head = (f"no architecture meets the SLOs at this load; closest: {best} (interactive attainment "
                 f"{pct(card['slo']['attainment_interactive'])}, goodput {card['slo']['goodput_rps']:.2f} req/s)")
-    misses = {a: miss(c, slo) for a, c in by_arch.items() if not c["slo"]["met"]}
     why = [interference_reason(a, c) for a, c in by_arch.items()] + [transfer_reason(a, c) for a, c in by_arch.items()
                                                                  if c["transfer"]["kv_bytes_transferred"]]
     bursts = [s for a, c in by_arch.items() if (s := burst_reason(a, c))]
