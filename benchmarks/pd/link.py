@@ -57,6 +57,7 @@ from benchmarks.pd.http_run import HttpCompareConfig, _vllm_args, compare_http, 
 from benchmarks.pd.make_model import read_shape
 from benchmarks.pd.trace import TokenTrace
 from kvstore.router.fleet import connector_config
+from kvstore.workloads.report import md_table
 from kvstore.workloads.slo import SLO
 
 REDIS_PORT = 6379
@@ -526,8 +527,7 @@ def report(doc: dict, tolerance: float = 0.25) -> str:
              "with tc tbf). Same arrivals for every run. Timed at the client.", "",
              "| link | shaped Gbit/s | measured raw socket Gbit/s |", "|---|---|---|"]
     lines += [f"| {k} | {v['shaped_gbit']:g} | {v['measured_gbit']:.2f} |" for k, v in doc["links"].items()]
-    lines += ["", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
-    lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in table_rows(doc)]
+    lines += [""] + md_table(HEAD, table_rows(doc))
     lines += ["", "## Where disaggregation stops paying", ""]
     lines += [f"- {v}" for v in doc["verdicts"].values()]
     lines += ["", f"## Planner vs measured (p50; within {tolerance:.0%} is the target)", "",

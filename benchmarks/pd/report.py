@@ -11,16 +11,17 @@ import html
 from pathlib import Path
 
 from benchmarks.pd.figures import cdf_figure, timeline_figure
+from kvstore.workloads.report import html_table, md_table, ms_cell
 
 MiB = 1 << 20
 
 
 def _ms3(d: dict | None) -> str:
-    return "-" if d is None else "/".join(f"{d[k] * 1000:.0f}" for k in ("p50", "p90", "p99"))
+    return ms_cell(d)
 
 
-def _ms2(d: dict | None, keys=("p50", "p99")) -> str:
-    return "-" if d is None else "/".join(f"{d[k] * 1000:.0f}" for k in keys)
+def _ms2(d: dict | None) -> str:
+    return ms_cell(d, ("p50", "p99"))
 
 
 def _energy(e: dict) -> str:
@@ -138,16 +139,6 @@ def _figures(doc: dict, data: dict, out: Path) -> list[tuple[str, Path]]:
     return figs
 
 
-def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
-
-
-def _html_table(head: list[str], rows: list[list[str]]) -> str:
-    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
-
-
 def write_report(doc: dict, data: dict, out: Path) -> tuple[Path, Path]:
     """Write the figures, report.md and report.html into ``out``; returns the two report paths."""
     figs = _figures(doc, data, out)
@@ -156,8 +147,8 @@ def write_report(doc: dict, data: dict, out: Path) -> tuple[Path, Path]:
     setup = _setup_lines(doc)
     verdicts = doc["verdicts"]
     md = ["# Collocated vs chunked prefill vs disaggregated: measured comparison", ""]
-    md += [f"- {line}" for line in setup] + ["", "## Traces", ""] + _md_table(trace_head, trace_rows)
-    md += ["", "## Metrics", ""] + _md_table(metric_head, metric_rows)
+    md += [f"- {line}" for line in setup] + ["", "## Traces", ""] + md_table(trace_head, trace_rows)
+    md += ["", "## Metrics", ""] + md_table(metric_head, metric_rows)
     md += ["", "## Verdicts", ""]
     for workload, v in verdicts.items():
         md += [f"### {workload}", "", v["text"], ""]
@@ -171,8 +162,8 @@ def write_report(doc: dict, data: dict, out: Path) -> tuple[Path, Path]:
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>pd compare</title><style>{style}</style>"
              "</head><body><h1>Collocated vs chunked prefill vs disaggregated: measured comparison</h1><ul>"]
     parts += [f"<li>{html.escape(line)}</li>" for line in setup]
-    parts += ["</ul><h2>Traces</h2>", _html_table(trace_head, trace_rows), "<h2>Metrics</h2>",
-              _html_table(metric_head, metric_rows), "<h2>Verdicts</h2>"]
+    parts += ["</ul><h2>Traces</h2>", html_table(trace_head, trace_rows), "<h2>Metrics</h2>",
+              html_table(metric_head, metric_rows), "<h2>Verdicts</h2>"]
     for workload, v in verdicts.items():
         parts.append(f"<h3>{html.escape(workload)}</h3><p>{html.escape(v['text'])}</p>")
     parts.append("<h2>Figures</h2>")

@@ -11,12 +11,8 @@ from kvstore.planner.crossover import Crossover
 from kvstore.planner.metrics import Metrics
 from kvstore.planner.plan import Evaluation, Planner
 from kvstore.planner.verdict import Verdict
-
-
-def _s(x: float) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return f"{x * 1e3:.1f} ms" if abs(x) < 1 else f"{x:.2f} s"
+from kvstore.workloads.report import seconds as _s
+from kvstore.workloads.report import text_table
 
 
 def _pct(x: float) -> str:
@@ -58,11 +54,7 @@ ROWS: tuple[tuple[str, callable], ...] = (
 def metric_table(metrics: list[Metrics]) -> str:
     """Rows are metrics, columns deployments; plain text so it reads the same in a terminal and a log."""
     header = ["metric"] + [m.label for m in metrics]
-    rows = [header] + [[name] + [fn(m) for m in metrics] for name, fn in ROWS]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(text_table([header] + [[name] + [fn(m) for m in metrics] for name, fn in ROWS]))
 
 
 def setup_text(planner: Planner) -> str:

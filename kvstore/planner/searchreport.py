@@ -10,11 +10,9 @@ from kvstore.planner.deployment import Arch
 from kvstore.planner.metrics import Metrics
 from kvstore.planner.search import ArchPlan, SearchResult
 from kvstore.planner.thresholds import HandoffThresholds
+from kvstore.workloads.report import seconds as _ms
+from kvstore.workloads.report import text_table
 from kvstore.workloads.slo import SLO
-
-
-def _ms(x: float) -> str:
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
 def _slo_text(slo: SLO) -> str:
@@ -30,10 +28,7 @@ def table(result: SearchResult) -> list[str]:
         bound = ">=" if p.rate_capped else ""
         rows.append((arch.value, p.best.metrics.label, str(p.gpus), f"{p.best.metrics.slo_attainment:.1%}",
                      f"{bound}{p.max_rate:.3g} req/s", f"{bound}{p.goodput_per_gpu:.3g} req/s/GPU"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
+    return text_table(rows)
 
 
 def frontier_lines(result: SearchResult) -> list[str]:

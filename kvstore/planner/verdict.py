@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from kvstore.planner.deployment import Arch
 from kvstore.planner.metrics import Metrics
 from kvstore.planner.plan import Evaluation, Planner, rank
+from kvstore.workloads.report import seconds as _ms
 from kvstore.workloads.verdict import Standing, choose
 
 # On equal GPUs and equal rank, the architecture that moves no state wins.
@@ -35,10 +36,6 @@ class Verdict:
                 "fewest_gpus": {a.value: g for a, g in self.fewest_gpus.items()},
                 "headline": self.headline, "reasons": list(self.reasons),
                 "misses": {a.value: m for a, m in self.misses.items()}}
-
-
-def _ms(x: float) -> str:
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
 def _interference(m: Metrics) -> str:
