@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.pd.record import RequestRecord
+from kvstore.workloads.metrics import RequestOutcome, run_duration
 from kvstore.workloads.stats import PERCENTILES, distribution
 
 __all__ = ["PERCENTILES", "distribution", "summarize"]
@@ -16,9 +17,7 @@ def _throughput(rows: list[dict]) -> dict:
     done = [r for r in rows if not r["lost"]]
     if not done:
         return {"duration_s": 0.0}
-    start = min(r["arrival_s"] for r in rows)
-    end = max(r["token_times_s"][-1] for r in done if r["token_times_s"])
-    span = max(end - start, 1e-9)
+    span = max(run_duration([RequestOutcome.from_row(r) for r in rows]), 1e-9)  # the scorecard's duration too
     prompt = sum(r["prompt_tokens"] for r in done)
     output = sum(r["output_tokens"] for r in done)
     return {"duration_s": round(span, 6), "requests_per_s": round(len(done) / span, 4),

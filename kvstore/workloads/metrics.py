@@ -41,7 +41,7 @@ from kvstore.workloads.slo import SLO, Attainment, judge
 from kvstore.workloads.stats import PERCENTILES, percentiles
 
 __all__ = ["RequestOutcome", "Pcts", "ClassStats", "Interference", "Burst", "Aggregate", "aggregate",
-           "prefill_step_starts", "judge_outcomes", "slo_block", "by_class", "interference", "burst"]
+           "prefill_step_starts", "judge_outcomes", "run_duration", "slo_block", "by_class", "interference", "burst"]
 
 Row = dict[str, Any]
 
@@ -292,6 +292,13 @@ def judge_outcomes(outcomes: Sequence[RequestOutcome], slo: SLO, duration_s: flo
                  lost=sum(o.lost for o in outcomes))
 
 
+def run_duration(outcomes: Sequence[RequestOutcome]) -> float:
+    """The run's duration: the first arrival -> the last completed request's last token (0 when none
+    completed)."""
+    ends = [o.finish_s for o in outcomes if o.completed and o.finish_s is not None]
+    return max(ends) - min(o.arrival_s for o in outcomes) if ends else 0.0
+
+
 def aggregate(outcomes: Sequence[RequestOutcome], slo: SLO, *,
               prefill_starts: Mapping[int, Sequence[float]] | None = None,
               duration_s: float | None = None, classes: bool = True) -> Aggregate:
@@ -301,8 +308,7 @@ def aggregate(outcomes: Sequence[RequestOutcome], slo: SLO, *,
     skips the per-class block and the burst (a simulation of one class)."""
     done = [o for o in outcomes if o.completed]
     if duration_s is None:
-        ends = [o.finish_s for o in done if o.finish_s is not None]
-        duration_s = max(ends) - min(o.arrival_s for o in outcomes) if ends else 0.0
+        duration_s = run_duration(outcomes)
     prompt = sum(o.prompt_tokens for o in done)
     output = sum(o.output_tokens for o in done)
     ttft = Pcts.of([o.ttft_s for o in done if o.ttft_s is not None])
