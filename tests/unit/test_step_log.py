@@ -44,8 +44,7 @@ def _output(new=(), cached=(), scheduled=None):
 def test_the_writer_stops_at_its_bound_and_says_so(tmp_path: Path) -> None:
     w = StepLogWriter(str(tmp_path / "s.jsonl"), max_records=4)
     for i in range(10):
-        w.write({"t": "step", "start": i, "end": i + 0.5, "prefill": 1, "decode": 0, "reqs": 1, "kv_usage": None,
-                 "cpu_s": 0.0})
+        w.write({"t": "step", "start": i, "end": i + 0.5, "prefill": 1, "decode": 0, "reqs": 1, "kv_usage": None})
     w.close()
     lines = (tmp_path / "s.jsonl").read_text().splitlines()
     assert len(lines) == 4 and json.loads(lines[-1]) == {"t": "truncated"}
@@ -113,7 +112,7 @@ def test_a_line_that_is_not_a_record_is_a_typed_error_but_a_cut_last_line_is_ski
     path.write_text('{"t":"open","side":"scheduler","pid":1,"rank":null,"block_bytes":null}\nnot json\n')
     with pytest.raises(StepLogError, match=r"s\.jsonl:2"):
         read_step_log(str(path))
-    path.write_text('{"t":"step","start":1,"end":2,"prefill":3,"decode":0,"reqs":1,"kv_usage":0.1,"cpu_s":1}\n{"t":"st')
+    path.write_text('{"t":"step","start":1,"end":2,"prefill":3,"decode":0,"reqs":1,"kv_usage":0.1}\n{"t":"st')
     assert len(read_step_log(str(path)).steps) == 1
     path.write_text('{"t":"step","start":1}\n')
     with pytest.raises(StepLogError, match="without"):

@@ -10,15 +10,14 @@ process on the host, so a client on the same host can put them beside its own):
 
 - ``{"t": "open", "side": "scheduler"|"worker", "pid", "rank", "block_bytes"}``: the file's first line per
   process that opened it (``block_bytes``, worker: the bytes of one block of this layout);
-- ``{"t": "step", "start", "end", "prefill", "decode", "reqs", "kv_usage", "cpu_s"}``: ``start`` is when vLLM's
+- ``{"t": "step", "start", "end", "prefill", "decode", "reqs", "kv_usage"}``: ``start`` is when vLLM's
   scheduler built the step's connector metadata (the end of ``schedule()``, right before the model runs),
   ``end`` when it asked the connector for its stats (``get_kv_connector_stats``, inside
   ``update_from_output``, right after the model ran), so ``end - start`` is the forward pass plus the output
   bookkeeping. ``prefill`` / ``decode``: tokens scheduled below / at or past the request's prompt length (a
   request whose KV was loaded computes its last prompt token: 1 prefill token); ``reqs``: requests scheduled;
   ``kv_usage``: the share of vLLM's KV blocks in use after scheduling (None before vLLM binds its cache
-  manager); ``cpu_s``: the engine process's CPU seconds at ``end``. Steps that scheduled no token are not
-  logged;
+  manager). Steps that scheduled no token are not logged;
 - ``{"t": "request", "id", "prompt", "first_start", "prefill_end", "end", "kv_transfer_params"}`` at the end of
   the step in which vLLM finished the request: ``id`` is vLLM's request id (the OpenAI server's contains the
   client's ``X-Request-Id``), ``first_start`` the start of the first step that scheduled it, ``prefill_end``
@@ -198,8 +197,7 @@ class SchedulerSteps:
             self._prefill_end[req_id] = end
         if step.prefill or step.decode:
             self.writer.write({"t": "step", "start": _r(step.start), "end": _r(end), "prefill": step.prefill,
-                               "decode": step.decode, "reqs": step.reqs, "kv_usage": step.kv_usage,
-                               "cpu_s": round(time.process_time(), 4)})
+                               "decode": step.decode, "reqs": step.reqs, "kv_usage": step.kv_usage})
         for item in step.finished:
             self._write_request(item, end)
 
@@ -274,7 +272,7 @@ def read_step_log(path: str) -> StepLog:
 def _add(out: StepLog, rec: dict, kind: str, where: str) -> None:
     try:
         if kind == "step":
-            out.steps.append({k: rec[k] for k in ("start", "end", "prefill", "decode", "reqs", "kv_usage", "cpu_s")})
+            out.steps.append({k: rec[k] for k in ("start", "end", "prefill", "decode", "reqs", "kv_usage")})
         elif kind == "request":
             out.requests[rec["id"]] = rec
         elif kind == "transfer":
