@@ -43,11 +43,13 @@ still landing) and joined to the client's rows by the ``X-Request-Id`` the clien
   ``kv_blocks_saved`` (the prefill instance's connector), ``kv_bytes_loaded`` / ``kv_blocks_loaded`` (the decode
   instance's), ``kv_bytes_transferred`` (= loaded, when handed off), ``publish_s`` (save seconds), ``fetch_s``
   (load seconds), ``transfer_s`` (their sum), ``kv_transfer_params`` (the prefill's promise), ``kv_bytes``
-  (prompt x KV bytes per token), ``token_times_s`` (each token's SSE event at the client; an event of n tokens
-  gives n equal times).
+  (prompt x KV bytes per token), ``token_times_s`` (each token at the engine: the end of the decode instance's
+  step that sampled it, as in the in-process rows; ``token_times_at`` says ``client`` where the log's count did
+  not match the tokens streamed and the client's are used), ``client_token_times_s`` (each token's SSE event
+  at the client; an event of n tokens gives n equal times). TTFT and TPOT stay the client's.
 
 So metrics.py's ``scorecard`` and verdict.py's ``verdicts`` read the HTTP run as they read the in-process one:
-interference (decode gaps at the client with a prefill step starting on the decode instance in between),
+interference (a request's inter-token gaps at its decode instance with a prefill step starting there in between),
 burst, transfer (bytes, hand-offs, share of TTFT), memory (weights: the model's files per instance; peak KV:
 the largest block-pool usage x the cache), CPU seconds (each instance's process group: API server, engine core
 and worker; the router's and the daemon's processes) and energy. Times in every row and step are seconds since
@@ -584,7 +586,12 @@ def attribute(rows: list[ClientRow], logs: list[InstanceLog], arch: Arch, nonce:
         prefill_end = _run_t((pre or dec)[1]["prefill_end"], t0) if first else None  # type: ignore[index]
         ready = _run_t(pre[1]["end"], t0) if handed_off else prefill_end  # type: ignore[index]
         admit = _run_t(dec[1]["first_start"], t0) if handed_off else prefill_end  # type: ignore[index]
+        ends = (dec[1].get("token_ends") or []) if dec else []
+        engine_times = len(ends) == r.output_tokens > 0  # one step end per token the client got
         d.update({
+            "client_token_times_s": d.pop("token_times_s"),
+            "token_times_s": [round(t - t0, 6) for t in ends] if engine_times else r.token_times_s,
+            "token_times_at": "engine" if engine_times else "client",
             "prefill_worker": first[0].index if first else None, "decode_worker": dec[0].index if dec else None,
             "handed_off": handed_off, "dispatch_s": round(r.arrival_s, 6),
             "prefill_start_s": prefill_start, "prefill_end_s": prefill_end,

@@ -75,6 +75,8 @@ def test_steps_split_prefill_from_decode_and_end_when_vllm_asks_for_stats(tmp_pa
     b, a = log.requests["b"], log.requests["a"]
     assert (b["first_start"], b["prefill_end"], b["end"], b["prompt"]) == (101, 102, 104, 10)
     assert (a["first_start"], a["prefill_end"], a["end"]) == (101, 104, 108)
+    # a token comes out of every step that reached the prompt's end: b's two, a's (not its first chunk's)
+    assert b["token_ends"] == [102, 104] and a["token_ends"] == [104, 108]
     assert a["kv_transfer_params"] == {"kvstore": {"saved_blocks": 1}} and b["kv_transfer_params"] is None
 
 

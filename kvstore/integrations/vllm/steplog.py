@@ -18,11 +18,13 @@ process on the host, so a client on the same host can put them beside its own):
   request whose KV was loaded computes its last prompt token: 1 prefill token); ``reqs``: requests scheduled;
   ``kv_usage``: the share of vLLM's KV blocks in use after scheduling (None before vLLM binds its cache
   manager). Steps that scheduled no token are not logged;
-- ``{"t": "request", "id", "prompt", "first_start", "prefill_end", "end", "kv_transfer_params"}`` at the end of
-  the step in which vLLM finished the request: ``id`` is vLLM's request id (the OpenAI server's contains the
-  client's ``X-Request-Id``), ``first_start`` the start of the first step that scheduled it, ``prefill_end``
-  the end of the step that computed its last prompt token (None if none did), ``kv_transfer_params`` what
-  this connector returned for it (a prefill's hand-off promise);
+- ``{"t": "request", "id", "prompt", "first_start", "prefill_end", "end", "token_ends", "kv_transfer_params"}``
+  at the end of the step in which vLLM finished the request: ``id`` is vLLM's request id (the OpenAI server's
+  contains the client's ``X-Request-Id``), ``first_start`` the start of the first step that scheduled it,
+  ``prefill_end`` the end of the step that computed its last prompt token (None if none did),
+  ``token_ends`` the end of every step that computed it up to or past its prompt (each samples one output
+  token: the engine-side time of each token, without speculative decoding; at most ``MAX_TOKEN_TIMES``),
+  ``kv_transfer_params`` what this connector returned for it (a prefill's hand-off promise);
 - ``{"t": "transfer", "id", "at", "load_bytes", "load_seconds", "loaded_blocks", "save_bytes", "save_seconds",
   "saved_blocks"}`` (worker): what this worker moved for the request, once complete: when the request finished
   (its loads are done by then) or, when vLLM kept its blocks for saves in flight, once they landed.
@@ -47,6 +49,8 @@ log = logging.getLogger("kvstore.integrations.vllm")
 
 #: lines per file at most, by default (a step line is about 150 bytes: about 150 MB).
 DEFAULT_MAX_RECORDS = 1_000_000
+#: token times kept per request at most (a request line then stays under about 1 MB)
+MAX_TOKEN_TIMES = 65_536
 
 
 class StepLogError(ValueError):
@@ -125,6 +129,7 @@ class _Open:
     reqs: int
     kv_usage: float | None
     prompt_done: list[str]
+    emits: list[str]
     finished: list[tuple[str, int, dict | None]] = field(default_factory=list)
 
 
@@ -143,6 +148,7 @@ class SchedulerSteps:
         self._prompt: dict[str, int] = {}
         self._first: dict[str, float] = {}
         self._prefill_end: dict[str, float] = {}
+        self._tokens: dict[str, list[float]] = {}
         writer.write({"t": "open", "side": "scheduler", "pid": os.getpid(), "rank": None, "block_bytes": None})
 
     def _usage(self) -> float | None:
@@ -166,6 +172,7 @@ class SchedulerSteps:
                 computed[req_id] = int(n)
         prefill = decode = 0
         done: list[str] = []
+        emits: list[str] = []
         for req_id, n in scheduled.items():
             self._first.setdefault(req_id, start)
             prompt = self._prompt.get(req_id)
@@ -173,11 +180,13 @@ class SchedulerSteps:
             p = 0 if prompt is None else max(0, min(n, prompt - before))
             prefill += p
             decode += n - p
-            if p and before + n >= prompt:  # type: ignore[operator] - p > 0 implies a prompt length
-                done.append(req_id)
+            if prompt is not None and before + n >= prompt:
+                emits.append(req_id)
+                if p:
+                    done.append(req_id)
         if len(self._open) >= self.MAX_OPEN:
             self._end(self._open.popleft(), start)
-        self._open.append(_Open(start, prefill, decode, len(scheduled), self._usage(), done))
+        self._open.append(_Open(start, prefill, decode, len(scheduled), self._usage(), done, emits))
 
     def on_finished(self, req_id: str, prompt_tokens: int | None, params: dict | None) -> None:
         if prompt_tokens is not None:
@@ -195,6 +204,11 @@ class SchedulerSteps:
     def _end(self, step: _Open, end: float) -> None:
         for req_id in step.prompt_done:
             self._prefill_end[req_id] = end
+        t = _r(end)
+        for req_id in step.emits:
+            times = self._tokens.setdefault(req_id, [])
+            if len(times) < MAX_TOKEN_TIMES:
+                times.append(t)  # type: ignore[arg-type]
         if step.prefill or step.decode:
             self.writer.write({"t": "step", "start": _r(step.start), "end": _r(end), "prefill": step.prefill,
                                "decode": step.decode, "reqs": step.reqs, "kv_usage": step.kv_usage})
@@ -206,7 +220,7 @@ class SchedulerSteps:
         self.writer.write({"t": "request", "id": req_id, "prompt": prompt,
                            "first_start": _r(self._first.pop(req_id, None)),
                            "prefill_end": _r(self._prefill_end.pop(req_id, None)), "end": _r(end),
-                           "kv_transfer_params": params})
+                           "token_ends": self._tokens.pop(req_id, []), "kv_transfer_params": params})
         self._prompt.pop(req_id, None)
 
 

@@ -109,6 +109,11 @@ def test_each_instance_logs_its_steps_and_the_timeline_accounts_for_every_prompt
                 assert r["prefill_start_s"] <= r["prefill_end_s"]
         if arch == "chunked":
             assert max(s["prefill_tokens"] + s["decode_tokens"] for s in steps) <= CHUNK
+        for r in rows:  # every token's time at its decode instance: the end of the step that sampled it
+            assert r["token_times_at"] == "engine" and len(r["token_times_s"]) == r["output_tokens"]
+            assert r["token_times_s"] == sorted(r["token_times_s"])
+            ends = {s["end_s"] for s in steps if s["worker"] == r["decode_worker"]}
+            assert set(r["token_times_s"]) <= ends
         res = json.loads((run / "summary.json").read_text())["results"]["short"][arch]
         assert res["interference"]["gaps"] == sum(max(len(r["token_times_s"]) - 1, 0) for r in rows)
         assert set(res["compute"]["cpu_s"]["workers"]) == {"0", "1"}
