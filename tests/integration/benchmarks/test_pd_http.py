@@ -165,6 +165,12 @@ def test_a_decode_crash_is_survived_through_the_router(model: Path) -> None:
     res = json.loads((out / "summary.json").read_text())["results"]["short"]["disaggregated"]
     assert res["fault"]["injected"] == "decode-crash@0" and res["fault"]["replacement_ready_s"] > 0
     assert res["requests"]["lost"] == 0 and res["requests"]["completed"] == 4
+    # the replacement keeps a step log of its own; the requests' last attempts are found in them
+    run = json.loads((out / "short" / "disaggregated" / "summary.json").read_text())
+    assert run["step_logs"]["1"]["files"] == 2
+    for r in _rows(out, "disaggregated"):
+        assert r["decode_worker"] == 1 and r["token_times_at"] == "engine"
+        assert r["kv_bytes_transferred"] == (r["kv_blocks_loaded"] * BLOCK_BYTES if r["handed_off"] else 0)
 
 
 def test_a_bad_fleet_option_is_a_usage_error_before_anything_starts(tmp_path: Path) -> None:
