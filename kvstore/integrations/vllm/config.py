@@ -53,6 +53,16 @@ class ConnectorConfig:
     #: With vLLM's KV events on: at most this many of the connector's events (and as many records per worker)
     #: wait to be taken; older ones are dropped and counted (``events_dropped``).
     max_events: int = 10_000
+    #: A file to append this engine's step log to (:mod:`.steplog`: one line per engine step and per finished
+    #: request, and ``<step_log>.worker<rank>`` per worker: the KV bytes and seconds moved per request).
+    #: None: off. A path that cannot be opened is a StepLogError at engine start.
+    step_log: str | None = None
+    #: Lines per step-log file at most; past it the rest is dropped (a ``truncated`` line says so).
+    step_log_max_records: int = 1_000_000
+    #: False: this instance moves no KV at all (no store connection, no lookups, loads or saves; ``url`` is not
+    #: needed): the connector only records its steps (``step_log``), e.g. on a colocated instance that is
+    #: compared with a prefill/decode pair.
+    transfers: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -63,17 +73,34 @@ class ConnectorConfig:
             raise ValueError(f"kvstore connector: unknown kv_connector_extra_config keys {unknown}; "
                              f"known: {sorted(fields)}")
         url = extra.pop("url", None) or os.environ.get("KVSTORE_URL")
-        if not isinstance(url, str) or not url:
+        if extra.get("transfers") is False and not url:
+            url = ""
+        elif not isinstance(url, str) or not url:
             raise ValueError("kvstore connector: set kv_connector_extra_config['url'] (e.g. "
                              "'unix:///run/kvstore.sock') or $KVSTORE_URL")
+        _check_step_log(extra)
         for name, value in extra.items():
-            _check(name, value, fields[name].default)
+            if name != "step_log":
+                _check(name, value, fields[name].default)
         if extra.get("save_mode", "auto") not in ("auto", "sync", "async"):
             raise ValueError(f"kvstore connector: save_mode must be 'auto', 'sync' or 'async', got "
                              f"{extra['save_mode']!r}")
         if extra.get("transport", "auto") not in ("auto", "shm", "tcp"):
             raise ValueError(f"kvstore connector: transport must be 'auto', 'shm' or 'tcp', got {extra['transport']!r}")
         return cls(url=url, **extra)
+
+
+def _check_step_log(extra: dict[str, Any]) -> None:
+    from kvstore.integrations.vllm.steplog import StepLogError
+
+    path = extra.get("step_log")
+    if path is not None and (not isinstance(path, str) or not path):
+        raise StepLogError(f"kvstore connector: kv_connector_extra_config['step_log'] = {path!r} is invalid "
+                           "(expected a file path, or None for no step log)")
+    n = extra.get("step_log_max_records", 2)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise StepLogError(f"kvstore connector: kv_connector_extra_config['step_log_max_records'] = {n!r} is "
+                           "invalid (expected an int >= 2)")
 
 
 def _check(name: str, value: Any, default: Any) -> None:

@@ -25,6 +25,7 @@ from kvstore.integrations.vllm.events import EventBook, WorkerEventLog, WorkerEv
 from kvstore.integrations.vllm.keys import layout_from_vllm_config
 from kvstore.integrations.vllm.scheduler import KVStoreConnectorMetadata, SchedulerSide
 from kvstore.integrations.vllm.stats import Counters, KVStoreConnectorStats
+from kvstore.integrations.vllm.steplog import SchedulerSteps, StepLogWriter, WorkerTransfers, worker_path
 from kvstore.integrations.vllm.store_link import CONNECTION_ERRORS, log
 from kvstore.integrations.vllm.worker import WorkerSide
 
@@ -56,13 +57,25 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._reported = Counters()  # the scheduler half's counters at the last get_kv_connector_stats
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._steps: SchedulerSteps | None = None
+        self._transfers_log: WorkerTransfers | None = None
+        self._log_writer: StepLogWriter | None = None
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         events = kv_events_enabled(vllm_config)
-        if role == KVConnectorRole.SCHEDULER:
+        if not self.config.transfers:
+            # moves nothing: no store, no halves; only the step log (if any)
+            if role == KVConnectorRole.SCHEDULER and self.config.step_log:
+                self._log_writer = StepLogWriter(self.config.step_log, self.config.step_log_max_records)
+                self._steps = SchedulerSteps(self._log_writer)
+            log.info("kvstore connector: transfers off (step log %s)", self.config.step_log or "off")
+        elif role == KVConnectorRole.SCHEDULER:
             layouts = [layout_from_vllm_config(vllm_config, kv_cache_config, r) for r in range(tp_size)]
             block_size = vllm_config.cache_config.block_size
             book = EventBook(events, [layout.fingerprint() for layout in layouts], block_size, self.config.max_events)
             self._scheduler = SchedulerSide(self.config, layouts, self.kv_role, block_size, self.counters, book)
+            if self.config.step_log:
+                self._log_writer = StepLogWriter(self.config.step_log, self.config.step_log_max_records)
+                self._steps = SchedulerSteps(self._log_writer)
             self._connect_at_start(self._scheduler.link)
             if not self.config.keep_load_failure_policy and transfer.kv_load_failure_policy != "recompute":
                 # A store fault must never fail a request: vLLM recomputes blocks reported as load errors.
@@ -71,10 +84,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            layout = layout_from_vllm_config(vllm_config, kv_cache_config, get_tensor_model_parallel_rank())
+            rank = get_tensor_model_parallel_rank()
+            layout = layout_from_vllm_config(vllm_config, kv_cache_config, rank)
             layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
             self._worker = WorkerSide(self.config, layout, layer_names, self.counters, self.kv_role,
                                       WorkerEventLog(events, self.config.max_events))
+            if self.config.step_log:
+                self._log_writer = StepLogWriter(worker_path(self.config.step_log, rank),
+                                                 self.config.step_log_max_records)
+                self._transfers_log = WorkerTransfers(self._log_writer, rank, layout.block_nbytes)
+                self._worker.on_request_done = self._transfers_log.done
             self._connect_at_start(self._worker.link)
         _LIVE.add(self)
 
@@ -116,16 +135,31 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._steps is not None:  # the step log reads the pool's usage at each step
+            self._steps.block_pool = getattr(kv_cache_manager, "block_pool", None)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
+        if self._steps is not None:
+            self._steps.on_schedule(scheduler_output)
+        if self._scheduler is None:
+            return KVStoreConnectorMetadata()
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        hold, params = self._scheduler.request_finished(request, block_ids) if self._scheduler else (False, None)
+        if self._steps is not None:
+            self._steps.on_finished(request.request_id, getattr(request, "num_prompt_tokens", None), params)
+        return hold, params
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
@@ -155,10 +189,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # ---- worker side ----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._metadata())
+        if self._worker is not None:
+            self._worker.start_load_kv(self._metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # synchronous loads complete in start_load_kv; asynchronous ones are not in this step
@@ -167,7 +203,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         return None  # all layers are saved together in wait_for_save
 
     def wait_for_save(self) -> None:
-        if self.has_connector_metadata():
+        if self._worker is not None and self.has_connector_metadata():
             self._worker.wait_for_save(self._metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -186,6 +222,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._worker.events.take() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> KVStoreConnectorStats | None:
+        if self._steps is not None:  # vLLM asks once per update_from_output: the step's end
+            self._steps.on_step_end()
         if self._worker is not None:
             data = self._worker.take_interval_stats()
         else:  # the scheduler half's counters since the last call (vLLM adds them to the workers')
@@ -215,3 +253,5 @@ class KVStoreConnector(KVConnectorBase_V1):
         for half in (self._scheduler, self._worker):
             if half is not None:
                 half.shutdown()
+        if self._log_writer is not None:
+            self._log_writer.close()

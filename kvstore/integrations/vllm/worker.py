@@ -14,6 +14,7 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +48,9 @@ class WorkerSide:
         self.loader: AsyncLoader | None = None
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until we report their saves
         self.requests = RequestTransfers()  # per request: what was loaded and saved for it
+        #: called with (request id, its record as a dict or None) once a request's transfers are complete
+        #: (the step log's worker records); None: nobody listens
+        self.on_request_done: Callable[[str, dict | None], None] | None = None
         self._count_lock = threading.Lock()
         self.layout = layout
         self.fingerprint = layout.fingerprint()
@@ -176,6 +180,11 @@ class WorkerSide:
         sending = self.saver.finished(self._held) if self.saver is not None else set(self._held)
         self._held -= sending
         self._count(held_requests=len(sending))
+        if self.on_request_done is not None:
+            # complete: finished without saves in flight (its loads were done before it ran), or saves landed
+            for req_id in sorted((set(finished_req_ids or ()) - self._held) | sending):
+                record = self.requests.get(req_id)
+                self.on_request_done(req_id, None if record is None else record.as_dict())
         return sending or None, recving or None
 
     def handle_preemptions(self, meta: KVStoreConnectorMetadata) -> None:
