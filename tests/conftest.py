@@ -407,3 +407,22 @@ def flip_byte(daemon_pid: int, store: kvstore.KVStore, key: str, at: int = 100) 
         f.seek(info["offset"] + at)
         f.write(bytes([byte[0] ^ 0xFF]))
 
+
+
+# ---- scheduling: the heaviest files first -------------------------------------------------------------
+def _heavy_seconds(item: pytest.Item) -> float:
+    mark = item.get_closest_marker("heavy")
+    return float(mark.args[0]) if mark is not None and mark.args else 0.0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files marked ``heavy(seconds)`` (they start real vLLM engines) run first, the longest first; every other
+    file keeps its place after them, and tests keep their order within a file. Under ``-n 2 --dist loadfile``
+    the two workers take whole files in this order, so the long engine files overlap each other and the
+    short ones fill in around them, instead of an engine file starting last and running alone."""
+    weight: dict[str, float] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        weight[path] = max(weight.get(path, 0.0), _heavy_seconds(item))
+    order = {path: i for i, path in enumerate(weight)}
+    items.sort(key=lambda it: (-weight[it.nodeid.split("::", 1)[0]], order[it.nodeid.split("::", 1)[0]]))

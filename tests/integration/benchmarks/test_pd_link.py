@@ -17,6 +17,8 @@ from benchmarks.pd import link as L
 from benchmarks.pd.trace import TokenRequest, TokenTrace, TraceScaling
 from kvstore.workloads.slo import SLO
 
+pytestmark = pytest.mark.heavy(165)
+
 
 def test_rates_parse_and_bad_ones_are_refused():
     assert L.parse_rates("1,10,25") == (1.0, 10.0, 25.0)

@@ -23,7 +23,7 @@ pytest.importorskip("aiohttp")
 
 from kvstore.router.fleet import Fleet  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.heavy(85), pytest.mark.timeout(900)]
 #: The connector's second version returns the hand-off's kv_transfer_params (kvstore/integrations/vllm/
 #: transfer_params.py); the first returns none.
 REPORTS_SAVES = importlib.util.find_spec("kvstore.integrations.vllm.transfer_params") is not None

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from conftest import Daemon, short_tmpdir  # noqa: E402
 from vllm_runner import BLOCK, child_env, claimable_tokens, make_prompts  # noqa: E402
 
-pytestmark = pytest.mark.timeout(2400)
+pytestmark = [pytest.mark.heavy(125), pytest.mark.timeout(2400)]
 HANDOFF_WAIT_S = 3.0
 
 
