@@ -271,7 +271,9 @@ class Daemon:
         """SIGKILL (no cleanup expected)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-            self.exit_code = self.proc.wait(10)
+            # a daemon still populating its memory exits once the kernel is done with the page it faults in;
+            # on a loaded machine that can take seconds
+            self.exit_code = self.proc.wait(60)
         self.stopped = True
 
     def leftovers(self) -> list[str]:

@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.heavy(300), pytest.mark.timeout(3000)]
 def _compare(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "benchmarks.pd", "compare", "--engine", "vllm", "--via", "router",
                            "--model", str(model), "--workloads", "short", "--num-requests", "4", "--block-size", "64",
-                           "--max-model-len", str(MAX_LEN), "--kv-cache-size", "32MiB", "--chunk-budget", "64",
+                           "--max-model-len", str(MAX_LEN), "--kv-cache-size", "32MiB", "--store-capacity", "256MiB",
+                           "--chunk-budget", "64",
                            "--transport", "tcp", "--vllm-dtype", "float32", "--slo-ttft", "30", "--slo-tpot", "5",
                            "--out", str(out), *extra], env=child_env(), capture_output=True, text=True, timeout=2700)
 

@@ -77,7 +77,8 @@ def _compare(model: Path, out: Path, *extra: str) -> Path:
     proc = subprocess.run([sys.executable, "-m", "benchmarks.pd", "compare", "--engine", "vllm", "--via", "inprocess",
                            "--model",
                            str(model), "--workloads", "short", "--num-requests", "4", "--block-size", "64",
-                           "--max-model-len", "1024", "--kv-cache-size", "32MiB", "--chunk-budget", "64",
+                           "--max-model-len", "1024", "--kv-cache-size", "32MiB", "--store-capacity", "256MiB",
+                           "--chunk-budget", "64",
                            "--transport", "tcp", "--vllm-dtype", "float32", "--out", str(out), *extra],
                           env=child_env(), capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

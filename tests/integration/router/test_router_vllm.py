@@ -255,23 +255,29 @@ def test_every_pool_down_is_503_with_retry_after(fleet):
 
 def test_budget_admission_answers_429_when_the_tpot_budget_cannot_be_met(fleet):
     """A TPOT budget no step can meet: while one request decodes on the only instance, the next one waits out
-    its TTFT budget in the router's queue and gets 429 + Retry-After; the instance never sees it."""
+    its TTFT budget in the router's queue and gets 429 + Retry-After; the instance never sees it. The decode
+    instance is paused (SIGSTOP) once the first token is out, so the first request is still decoding however
+    fast the machine is; health checks are far apart so the router does not eject the paused instance."""
     _, base = start_router(fleet["fleet"], "router-budget", "--colocated", fleet["decode"], "--admission", "budget",
-                           "--slo-ttft", "0.5", "--slo-tpot", "0.000001")
+                           "--slo-ttft", "0.5", "--slo-tpot", "0.000001", "--health-interval", "120")
     u = urlsplit(base)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
     body = completion(fleet, words(20, seed=9), max_tokens=1500, stream=True)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     first = conn.getresponse()
+    group = _child(fleet, "decode").proc.pid
     assert first.status == 200 and first.readline().startswith(b"data: ")  # decoding now
+    os.killpg(group, signal.SIGSTOP)
     try:
         for klass in ("interactive", "background"):
-            status, headers, answer = post(base, "/v1/completions", completion(fleet, "w5 w6"),
+            # token ids: the router asks no (paused) instance to tokenize them
+            status, headers, answer = post(base, "/v1/completions", completion(fleet, [5, 6]),
                                            {"X-Request-Class": klass}, timeout=60)
             assert status == 429, answer
             assert int(headers["Retry-After"]) >= 1
             assert metric(base, "kvstore_router_shed_total", klass=klass, queue="decode") == 1
     finally:
+        os.killpg(group, signal.SIGCONT)
         conn.sock.close()
         conn.close()
     assert wait_until(lambda: metric(base, "kvstore_router_outstanding_tokens") == 0, 60)

@@ -113,7 +113,8 @@ def main() -> int:
             assert conn.wait_for_saves(30.0), "asynchronous saves still queued after 30 s"
         # An idle offline engine takes no step: step it so vLLM frees the held blocks. With TP > 1 the saves
         # land in the workers' processes (wait_for_saves above waits only in this one): step until they do.
-        deadline = time.monotonic() + 60.0
+        # (a save may take the connector's whole store deadline, timeout_s, on a loaded machine)
+        deadline = time.monotonic() + 60.0 + float(json.loads(args.extra).get("timeout_s", 5.0))
         while time.monotonic() < deadline:
             if not any(conn.has_pending_push_work() for conn in live_connectors()):
                 break
