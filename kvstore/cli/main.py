@@ -232,7 +232,9 @@ def _client_parser(sub, name: str, help_text: str, handler: Callable[[argparse.N
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``command`` (the subcommand about to run), the planner's options (numpy
+    and the planner's modules: about a quarter of a second) are only set up when that command is ``plan``."""
     parser = argparse.ArgumentParser(prog="kvstore", description="KV-cache store for LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -295,12 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = _client_parser(sub, "requests", "list prefill->decode hand-offs: published / publishing / fetched / "
                        "cancelled / aborted / expired, bytes, chunks, layout, age", _requests)
     p.add_argument("--json", action="store_true", help="print JSON")
-    _add_optional_commands(sub)
+    _add_optional_commands(sub, planner=command in (None, "plan"))
     return parser
 
 
-def _add_optional_commands(sub) -> None:
-    """Commands whose modules may be absent in a trimmed install."""
+def _add_optional_commands(sub, planner: bool = True) -> None:
+    """Commands whose modules may be absent in a trimmed install. ``planner=False``: ``plan`` is listed but
+    its options are not set up (another command runs)."""
     from kvstore.cli import router as router_cli
 
     p = sub.add_parser("router", help="serve the OpenAI API in front of prefill/decode/colocated vLLM servers",
@@ -312,6 +315,9 @@ def _add_optional_commands(sub) -> None:
     p = sub.add_parser("pd", help="a local prefill/decode fleet: `kvstore pd up --model DIR` (Ctrl-C stops it)",
                        description="A local prefill/decode fleet behind kvstore router.")
     pd_cli.add_arguments(p)
+    if not planner:
+        sub.add_parser("plan", help="simulate the three deployments on hardware this machine does not have")
+        return
     try:
         from kvstore.planner import cli as planner_cli
     except ImportError:
@@ -323,7 +329,9 @@ def _add_optional_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    command = given[0] if given and not given[0].startswith("-") else None
+    args = build_parser(command).parse_args(argv)
     try:
         return args.handler(args)
     except KVStoreError as exc:
