@@ -18,7 +18,7 @@ def test_quick_start_runs():
 def test_readme_names_the_two_commands():
     text = open(README, encoding="utf-8").read()
     ci = open(os.path.join(os.path.dirname(README), ".ci", "run"), encoding="utf-8").read()
-    assert "python3 -m pytest -q tests" in text and "python3 -m pytest -q tests" in ci
+    assert "python3 -m pytest -q -n 2 tests" in text and "python3 -m pytest -q -n 2 tests" in ci
     assert "python3 -m kvstore.demo" in text
 
 
