@@ -234,7 +234,7 @@ def _client_parser(sub, name: str, help_text: str, handler: Callable[[argparse.N
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with ``command`` (the subcommand about to run), the planner's options (numpy
-    and the planner's modules: about a quarter of a second) are only set up when that command is ``plan``."""
+    and the planner's modules: up to a quarter of a second) are only set up when that command is ``plan``."""
     parser = argparse.ArgumentParser(prog="kvstore", description="KV-cache store for LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
