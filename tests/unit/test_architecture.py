@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.core",),
     ("kvstore.protocol",),
     ("kvstore.gpu", "kvstore.workloads"),
-    ("kvstore.client", "kvstore.daemon", "kvstore.planner"),
+    ("kvstore.client", "kvstore.daemon", "kvstore.planner", "kvstore.handoff_status"),
     ("kvstore.handoff", "kvstore.cluster"),
     ("kvstore.integrations", "kvstore.api"),
     ("kvstore.router",),
