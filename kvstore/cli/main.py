@@ -206,16 +206,16 @@ def _rm(args: argparse.Namespace) -> int:
 
 
 def _requests(args: argparse.Namespace) -> int:
-    from kvstore.handoff import KVHandoff
+    from kvstore.handoff_status import list_requests  # without torch: the listing starts at once
 
     with _client(args) as store:
-        records = KVHandoff.requests(store)
+        records = list_requests(store)
     if args.json:
         print(json.dumps(records, indent=2, sort_keys=True))
         return 0
     print(f"{'request':<24} {'state':<11} {'bytes':>10} {'chunks':>6} {'tokens':>7} {'age s':>8}  layout")
     for r in sorted(records, key=lambda r: r["created"]):
-        # a record is any client's bytes (kvstore.handoff.parse_status): shown escaped
+        # a record is any client's bytes (kvstore.handoff_status.parse_status): shown escaped
         what = f"{r['model_id']} {r['layout']} {r['fingerprint'][:12]}" if r["state"] != "invalid" else r["error"]
         print(f"{printable(r['request_id'][:24]):<24} {r['state']:<11} {format_size(r['bytes']):>10} {r['chunks']:>6} "
               f"{r['num_tokens']:>7} {r['age_s']:>8.1f}  {printable(what)}")
