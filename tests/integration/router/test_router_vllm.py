@@ -138,14 +138,14 @@ def test_a_promise_that_never_arrives_is_logged_and_computed(fleet):
 
 def test_connector_counters_reach_vllms_metrics(fleet):
     """After the two tests above (a hand-off and a promised miss): the connector's counters on /metrics."""
-    samples = lambda url, name: metric(url, "vllm:" + name)  # noqa: E731
+    decode, prefill = fleet["decode"], fleet["prefill"]
     # vLLM publishes stats on its logging interval
-    wait_until(lambda: samples(fleet["decode"], "kvstore_promised_misses_total") >= 1, 120, interval=2)
-    assert samples(fleet["decode"], "kvstore_loaded_blocks_total") >= 3
-    assert samples(fleet["decode"], "kvstore_hit_tokens_total") >= 3 * BLOCK  # a scheduler-side counter
-    assert samples(fleet["decode"], "kvstore_promised_requests_total") >= 2
-    assert samples(fleet["decode"], "kvstore_promised_misses_total") >= 1
-    assert samples(fleet["prefill"], "kvstore_saved_blocks_total") >= 3
+    wait_until(lambda: metric(decode, "vllm:kvstore_promised_misses_total") >= 1, 120, interval=2)
+    assert metric(decode, "vllm:kvstore_loaded_blocks_total") >= 3
+    assert metric(decode, "vllm:kvstore_hit_tokens_total") >= 3 * BLOCK  # a scheduler-side counter
+    assert metric(decode, "vllm:kvstore_promised_requests_total") >= 2
+    assert metric(decode, "vllm:kvstore_promised_misses_total") >= 1
+    assert metric(prefill, "vllm:kvstore_saved_blocks_total") >= 3
 
 
 def test_completion_goes_through_both_hops_and_matches_a_direct_answer(fleet):
