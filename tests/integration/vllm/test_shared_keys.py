@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -22,7 +21,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from conftest import Daemon, short_tmpdir  # noqa: E402
-from vllm_runner import BLOCK, EngineRunner, results  # noqa: E402
+from vllm_runner import BLOCK, EngineRunner, popen_engine, results  # noqa: E402
 
 pytestmark = [pytest.mark.heavy(45), pytest.mark.timeout(1800)]
 CHILD = os.path.join(os.path.dirname(__file__), "engine_handoff_child.py")
@@ -56,9 +55,9 @@ def test_handoff_blocks_are_connector_hits_and_connector_blocks_are_handoff_hits
             json.dump(prompt, f)
     d = Daemon(workdir, capacity="256MiB").start()
     log = open(os.path.join(workdir, "handoff.log"), "w+")
-    child = subprocess.Popen([sys.executable, CHILD, "--model", model, "--url", d.tcp_url, "--publish",
-                              paths["publish"], "--fetch", paths["fetch"], "--out", paths["out"]],
-                             env=engine.env(0), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+    child = popen_engine([CHILD, "--model", model, "--url", d.tcp_url, "--publish", paths["publish"], "--fetch",
+                          paths["fetch"], "--out", paths["out"]], hash_seed=0, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         baseline = engine.start(timeout=1500)  # no connector: the tokens every run must reproduce
         assert _expect(child, "PUBLISHED"), _log(log)

@@ -28,6 +28,7 @@ from vllm_runner import (  # noqa: E402
     flip_bytes,
     load_run,
     make_prompts,
+    popen_engine,
     results,
     segment_address,
 )
@@ -102,8 +103,7 @@ def no_daemon_runs(engine, workdir):
     """Started together, with no daemon at the URL: the default (a clear error) and degraded mode."""
     url = f"unix://{workdir}/nobody-here.sock"
     cmd, _ = engine.command(url=url)
-    strict = subprocess.Popen(cmd, env=engine.env(0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True)
+    strict = popen_engine(cmd, hash_seed=0, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     degraded = engine.start(url=url, extra={"require_store_at_start": False})
     try:
         _, err = strict.communicate(timeout=300)
@@ -125,7 +125,7 @@ def test_kv_both_shares_prefixes_across_processes(saved, engine, baseline, promp
     assert run1.counters["saved_blocks"] >= distinct_full_blocks(prompts)
     assert len(block_keys(d)) == distinct_full_blocks(prompts)
 
-    run2 = engine.run(url=d.unix_url, hash_seed=2)  # a fresh engine, another hash seed
+    run2 = engine.run(url=d.unix_url, hash_seed=0)  # a fresh engine, another hash seed than run1's
     assert run2.tokens == baseline.tokens
     assert run2.cached == [claimable_tokens(p) for p in prompts]
     assert run2.counters["loaded_blocks"] > 0
@@ -142,8 +142,8 @@ def test_a_prompt_of_whole_blocks_is_loaded_whole(engine, workdir):
     os.makedirs(runner.workdir, exist_ok=True)
     d = Daemon(workdir, capacity="256MiB").start()
     try:
-        first = runner.run(url=d.unix_url, hash_seed=3)  # computes it (the store is empty) and saves its blocks
-        second = runner.run(url=d.unix_url, hash_seed=4)  # a fresh engine: every block from the store
+        first = runner.run(url=d.unix_url, hash_seed=1)  # computes it (the store is empty) and saves its blocks
+        second = runner.run(url=d.unix_url, hash_seed=0)  # a fresh engine, another seed: every block from the store
     finally:
         d.stop()
     assert first.transfers[0].get("saved_blocks") == 3, first.transfers
@@ -180,7 +180,7 @@ def test_corrupt_block_is_detected_removed_and_recomputed(saved, engine, baselin
     address = segment_address(d.pid, info["segment"]) + info["offset"] + info["size"] // 2
     assert len(flip_bytes(d.pid, address, 8)) == 8
     try:
-        run = engine.run(url=d.unix_url, hash_seed=3)
+        run = engine.run(url=d.unix_url, hash_seed=0)
     finally:
         with d.connect("tcp") as s:
             try:
@@ -205,7 +205,7 @@ def test_prefill_decode_through_one_daemon(engine, workdir, baseline, prompts):
                               extra={"handoff_ttl_s": 3600.0})
         with d.connect("tcp") as s:
             produced = s.stats()
-        consumer = engine.run(url=d.unix_url, role="kv_consumer", args=("--no-prefix-cache",), hash_seed=5)
+        consumer = engine.run(url=d.unix_url, role="kv_consumer", args=("--no-prefix-cache",), hash_seed=1)
         with d.connect("tcp") as s:
             stats = s.stats()
     finally:
@@ -237,8 +237,8 @@ def test_daemon_killed_mid_run_every_request_completes(engine, workdir, baseline
     cmd, out = engine.command(url=d.unix_url, args=("--batches", "2"))
     err_path = os.path.join(workdir, "killed-run.err")
     with open(err_path, "w") as err_file:  # a file, not a pipe: vLLM logs a lot, and a full pipe blocks the child
-        proc = subprocess.Popen(cmd, env=engine.env(7), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=err_file, text=True)
+        proc = popen_engine(cmd, hash_seed=1, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err_file,
+                            text=True)
     try:
         lines = []
         for line in proc.stdout:  # vLLM logs to stdout too: skip to the child's own line
@@ -295,7 +295,7 @@ def test_kv_events_reach_vllms_publisher(engine, workdir, baseline, prompts):
     events_dir = short_tmpdir()
     d = Daemon(workdir, capacity="256MiB").start()
     try:
-        run = engine.run(url=d.unix_url, hash_seed=9, args=("--kv-events", events_dir, "--promised-prompts", path))
+        run = engine.run(url=d.unix_url, hash_seed=1, args=("--kv-events", events_dir, "--promised-prompts", path))
     finally:
         d.stop()
         shutil.rmtree(events_dir, ignore_errors=True)
@@ -341,7 +341,7 @@ def test_tensor_parallel_2_prefill_decode(engine, workdir, prompts):
         with d.connect("tcp") as s:
             keys = s.keys("kvp/")
             layouts = s.keys("vllm/layouts/")
-        consumer = run(role="kv_consumer", args=("--tp", "2", "--no-prefix-cache"), hash_seed=5, extra=extra)
+        consumer = run(role="kv_consumer", args=("--tp", "2", "--no-prefix-cache"), hash_seed=1, extra=extra)
     finally:
         d.stop()
     assert "differs from this instance's layout" not in producer.stderr + consumer.stderr  # ranks are no mismatch

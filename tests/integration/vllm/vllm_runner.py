@@ -1,18 +1,27 @@
 """Helpers for the vLLM connector tests: prompts and a runner for ``vllm_child.py`` (one single-process CPU
 engine per run, the way vLLM is deployed: a process each). Not a conftest.py: tests/conftest.py is imported
-as ``conftest`` by other test modules, and a second one would shadow it."""
+as ``conftest`` by other test modules, and a second one would shadow it.
+
+Each run is forked from a pre-imported parent (``engine_forks.py``, one per hash seed, started on first use
+and kept for the worker's session): importing vLLM costs a process 11-14 s of one core here, and the suite
+runs dozens of engines. ``KVSTORE_TEST_FORK_ENGINES=0`` starts every run as a fresh interpreter instead."""
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
 import random
 import subprocess
 import sys
+import tempfile
+import threading
 from dataclasses import dataclass
+from typing import Any
 
 import paths
+from engine_forks import ForkServer
 
 CHILD = os.path.join(os.path.dirname(__file__), "vllm_child.py")
 BLOCK = 128
@@ -61,10 +70,56 @@ def claimable_tokens(prompt: list[int], block: int = BLOCK) -> int:
     return len(prompt) // block * block
 
 
+# what an engine run imports: vLLM's offline engine, its CPU worker and model, the connector
+PRELOAD = ("vllm", "vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+           "vllm.model_executor.models.llama", "vllm.model_executor.model_loader",
+           "kvstore.integrations.vllm.connector")
+_servers: dict[int, ForkServer] = {}
+_servers_lock = threading.Lock()
+
+
+def _close_servers() -> None:
+    for server in _servers.values():
+        server.close()
+
+
+atexit.register(_close_servers)
+
+
+def fork_server(hash_seed: int) -> ForkServer | None:
+    """This worker's fork server for ``hash_seed`` (started on first use), or None when disabled."""
+    if os.environ.get("KVSTORE_TEST_FORK_ENGINES", "1") == "0":
+        return None
+    with _servers_lock:
+        if hash_seed not in _servers:
+            where = tempfile.mkdtemp(prefix="kvforks-")
+            _servers[hash_seed] = ForkServer(os.path.join(where, "sock"), engine_env(hash_seed), PRELOAD,
+                                             os.path.join(where, "server.log"))
+        return _servers[hash_seed]
+
+
+def engine_env(hash_seed: int) -> dict:
+    """An engine process's environment: this checkout first on its path, a fixed hash seed, the engine core in
+    the same process (the offline engine, one process per run)."""
+    env = child_env()
+    env["PYTHONHASHSEED"] = str(hash_seed)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+def popen_engine(argv: list[str], *, hash_seed: int, **kw: Any) -> subprocess.Popen | Any:
+    """``python argv...`` as an engine process: forked from the hash seed's fork server (see the module's
+    docstring), else a fresh interpreter. ``kw`` are ``subprocess.Popen``'s stdin, stdout, stderr, text."""
+    server = fork_server(hash_seed)
+    if server is None:
+        return subprocess.Popen([sys.executable, *argv], env=engine_env(hash_seed), **kw)
+    return server.popen(argv, env=engine_env(hash_seed), **kw)
+
+
 class Pending:
     """An engine run started in the background (:meth:`EngineRunner.start`); :meth:`result` waits for it."""
 
-    def __init__(self, proc: subprocess.Popen, out: str, err_path: str, timeout: float):
+    def __init__(self, proc: Any, out: str, err_path: str, timeout: float):
         self.proc, self.out, self.err_path, self.timeout = proc, out, err_path, timeout
 
     def result(self) -> Run:
@@ -112,24 +167,18 @@ class EngineRunner:
         # /dev/shm, whose orphan reaping unlinks a live daemon's segments (issue 11, defect 5); a TCP client
         # does not need to open them. BlockIO's own tests cover the shared-memory path.
         extra = {"transport": "tcp", **(extra or {})}
-        cmd = [sys.executable, CHILD, "--model", self.model, "--prompts", prompts_path, "--out", out,
+        cmd = [CHILD, "--model", self.model, "--prompts", prompts_path, "--out", out,
                "--role", role, "--extra", json.dumps(extra), *args]
         if url:
             cmd += ["--url", url]
         return cmd, out
-
-    def env(self, hash_seed: int) -> dict:
-        env = child_env()
-        env["PYTHONHASHSEED"] = str(hash_seed)
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        return env
 
     def start(self, *, hash_seed: int = 0, timeout: float = 900, **kw) -> Pending:
         """Start a run in the background (its output goes to files: vLLM logs a lot, and a full pipe blocks)."""
         cmd, out = self.command(**kw)
         err_path = out + ".log"
         with open(err_path, "w") as err:
-            proc = subprocess.Popen(cmd, env=self.env(hash_seed), stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+            proc = popen_engine(cmd, hash_seed=hash_seed, stdin=subprocess.DEVNULL, stdout=err, stderr=err)
         return Pending(proc, out, err_path, timeout)
 
     def run(self, *, hash_seed: int = 0, timeout: float = 900, **kw) -> Run:

@@ -1,0 +1,110 @@
+"""The tests' fork server (tests/helpers/engine_forks.py): each run a process of its own with its own pipes,
+environment, directory and exit status, used like a ``subprocess.Popen``. Real processes; no vLLM needed (the
+server preloads only ``json`` here)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from engine_forks import ForkServer
+
+SCRIPT = """
+import json, os, sys
+print("hash", hash("kvstore"), flush=True)
+print("env", os.environ.get("ONLY_HERE"), "cwd", os.getcwd(), "preloaded", "json" in sys.modules, flush=True)
+line = sys.stdin.readline()
+if line.startswith("exit"):
+    sys.exit(int(line.split()[1]))
+if line.startswith("raise"):
+    raise RuntimeError("from the script")
+if line.startswith("sleep"):
+    import time
+    time.sleep(600)
+print("echo", line.strip(), file=sys.stderr, flush=True)
+"""
+
+
+@pytest.fixture
+def server(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    fs = ForkServer(str(tmp_path / "sock"), dict(os.environ, PYTHONHASHSEED="7"), ["json"], str(tmp_path / "log"))
+    fs.wait_ready(60)
+    yield fs, str(script)
+    fs.close()
+
+
+def _run(fs: ForkServer, script: str, line: str, tmp_path, **kw):
+    proc = fs.popen([script], env=dict(os.environ, ONLY_HERE="yes"), cwd=str(tmp_path), stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    out, err = proc.communicate(line + "\n", timeout=60)
+    return proc, out, err
+
+
+def test_a_run_has_its_own_pipes_environment_directory_and_status(server, tmp_path):
+    fs, script = server
+    proc, out, err = _run(fs, script, "hello", tmp_path)
+    assert proc.returncode == 0 and proc.pid != fs.proc.pid
+    assert f"env yes cwd {tmp_path} preloaded True" in out
+    assert err.strip() == "echo hello"
+    proc, _, _ = _run(fs, script, "exit 3", tmp_path)
+    assert proc.returncode == 3 and proc.poll() == 3
+    proc, _, err = _run(fs, script, "raise", tmp_path)
+    assert proc.returncode == 1 and "RuntimeError: from the script" in err
+
+
+def test_runs_share_the_servers_hash_seed(server, tmp_path):
+    fs, script = server
+    hashes = {_run(fs, script, "x", tmp_path)[1].splitlines()[0] for _ in range(2)}
+    direct = subprocess.run([sys.executable, script], input="x\n", capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, PYTHONHASHSEED="7"))
+    assert hashes == {direct.stdout.splitlines()[0]}
+
+
+def test_a_run_is_killed_and_waited_for_like_a_popen(server, tmp_path):
+    fs, script = server
+    proc = fs.popen([script], env=dict(os.environ), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc.stdin.write("sleep\n")
+    proc.stdin.flush()
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.5)
+    assert proc.poll() is None
+    proc.kill()
+    assert proc.wait(30) == -signal.SIGKILL
+
+
+def test_runs_die_with_the_server(server, tmp_path):
+    fs, script = server
+    proc = fs.popen([script], env=dict(os.environ), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc.stdin.write("sleep\n")
+    proc.stdin.flush()
+    fs.proc.kill()
+    fs.proc.wait()
+    assert proc.wait(30) == -signal.SIGKILL  # no status from a dead server: its children are killed with it
+    deadline = time.monotonic() + 30
+    while _running(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(proc.pid)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (a zombie is dead, waiting for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return not f.read().rsplit(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return False
+
+
+def test_a_server_that_cannot_start_says_why(tmp_path):
+    fs = ForkServer(str(tmp_path / "sock"), dict(os.environ), ["no_such_module_here"], str(tmp_path / "log"))
+    try:
+        with pytest.raises(RuntimeError, match="no_such_module_here"):
+            fs.wait_ready(60)
+    finally:
+        fs.close()
