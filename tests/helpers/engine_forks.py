@@ -45,14 +45,16 @@ def _die_with_parent(sig: int) -> None:
 
 
 # -- the server --------------------------------------------------------------------------------------------------
-def _child(request: dict, fds: list[int], listener: socket.socket, conn: socket.socket) -> None:
+def _child(request: dict, fds: list[int], listener: socket.socket, conn: socket.socket, server: int) -> None:
     """In the forked child: become the requested process, run its script, exit with its status."""
     code = 1
     try:
+        _die_with_parent(signal.SIGKILL)
+        if os.getppid() != server:  # the server died before the line above: nobody would reap or stop this run
+            os.kill(os.getpid(), signal.SIGKILL)
         listener.close()
         conn.close()
         os.setpgid(0, 0)  # a process group of its own, as a Popen(start_new_session=...) would have
-        _die_with_parent(signal.SIGKILL)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
         for target, fd in enumerate(fds):
@@ -125,9 +127,10 @@ def serve(path: str, modules: Sequence[str]) -> None:
             continue
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _child(request, fds, listener, conn)
+            _child(request, fds, listener, conn, server)
         for fd in fds:
             os.close(fd)
         conn.send(json.dumps({"pid": pid}).encode())
