@@ -20,7 +20,7 @@ MAX_LEN = 192  # the short workload's prompts are 32-192 tokens with 16-48 outpu
 BLOCK = 64
 BLOCK_BYTES = 2 * 2 * 2 * 64 * BLOCK * 4  # K and V x 2 layers x 2 KV heads x head dim 64 x 64 tokens x float32
 CHUNK = 64
-pytestmark = [pytest.mark.heavy(300), pytest.mark.timeout(3000)]
+pytestmark = [pytest.mark.heavy(365), pytest.mark.timeout(3000)]
 
 
 def _compare(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -17,7 +17,7 @@ from benchmarks.pd import link as L
 from benchmarks.pd.trace import TokenRequest, TokenTrace, TraceScaling
 from kvstore.workloads.slo import SLO
 
-pytestmark = pytest.mark.heavy(165)
+pytestmark = pytest.mark.heavy(195)
 
 
 def test_rates_parse_and_bad_ones_are_refused():

@@ -16,7 +16,7 @@ from benchmarks.pd.make_model import LlamaShape, read_shape
 from benchmarks.pd.vllm_deployment import VllmConfig
 from benchmarks.pd.vllm_engine import InstanceSpec
 
-pytestmark = pytest.mark.heavy(175)
+pytestmark = pytest.mark.heavy(255)
 
 ARCHS = ("colocated", "chunked", "disaggregated")
 CARD_KEYS = ("requests", "throughput", "ttft_s", "tpot_s", "prefill_queue_s", "decode_queue_s", "transfer",

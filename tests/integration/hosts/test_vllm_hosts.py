@@ -17,7 +17,7 @@ from host_cluster import cluster_fleet
 from host_fleet import child_env
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
-pytestmark = [pytest.mark.heavy(50),
+pytestmark = [pytest.mark.heavy(60),
               pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
                                  reason="redis-server / redis-cli are not on PATH (apt-get install -y redis-server)"),
               pytest.mark.timeout(900)]

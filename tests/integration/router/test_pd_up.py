@@ -18,7 +18,7 @@ from routers import tiny_model
 
 pytest.importorskip("vllm")
 pytest.importorskip("aiohttp")
-pytestmark = [pytest.mark.heavy(40), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.heavy(45), pytest.mark.timeout(600)]
 
 
 def _alive(pid: int) -> bool:

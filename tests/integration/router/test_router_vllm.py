@@ -29,7 +29,7 @@ pytest.importorskip("aiohttp")
 
 from kvstore.router.fleet import Fleet  # noqa: E402
 
-pytestmark = [pytest.mark.heavy(100), pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.heavy(130), pytest.mark.timeout(1200)]
 HANDOFF_WAIT_S = 3.0  # how long the decode instance waits for promised blocks
 #: The connector's second version returns the hand-off's kv_transfer_params (kvstore/integrations/vllm/
 #: transfer_params.py); the first returns none.

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 from conftest import Daemon, short_tmpdir  # noqa: E402
 from vllm_runner import BLOCK, EngineRunner, popen_engine, results  # noqa: E402
 
-pytestmark = [pytest.mark.heavy(45), pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.heavy(30), pytest.mark.timeout(1800)]
 CHILD = os.path.join(os.path.dirname(__file__), "engine_handoff_child.py")
 
 

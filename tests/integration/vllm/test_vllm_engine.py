@@ -33,7 +33,7 @@ from vllm_runner import (  # noqa: E402
     segment_address,
 )
 
-pytestmark = [pytest.mark.heavy(400), pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.heavy(240), pytest.mark.timeout(1800)]
 
 
 def distinct_full_blocks(prompts: list[list[int]], block: int = BLOCK) -> int:

@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,13 +75,14 @@ def claimable_tokens(prompt: list[int], block: int = BLOCK) -> int:
 PRELOAD = ("vllm", "vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
            "vllm.model_executor.models.llama", "vllm.model_executor.model_loader",
            "kvstore.integrations.vllm.connector")
-_servers: dict[int, ForkServer] = {}
+_servers: dict[int, tuple[ForkServer, str]] = {}  # hash seed -> its server and the directory of its socket and log
 _servers_lock = threading.Lock()
 
 
 def _close_servers() -> None:
-    for server in _servers.values():
+    for server, where in _servers.values():
         server.close()
+        shutil.rmtree(where, ignore_errors=True)
 
 
 atexit.register(_close_servers)
@@ -93,9 +95,10 @@ def fork_server(hash_seed: int) -> ForkServer | None:
     with _servers_lock:
         if hash_seed not in _servers:
             where = tempfile.mkdtemp(prefix="kvforks-")
-            _servers[hash_seed] = ForkServer(os.path.join(where, "sock"), engine_env(hash_seed), PRELOAD,
-                                             os.path.join(where, "server.log"))
-        return _servers[hash_seed]
+            server = ForkServer(os.path.join(where, "sock"), engine_env(hash_seed), PRELOAD,
+                                os.path.join(where, "server.log"))
+            _servers[hash_seed] = (server, where)
+        return _servers[hash_seed][0]
 
 
 def engine_env(hash_seed: int) -> dict:
