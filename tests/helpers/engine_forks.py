@@ -14,9 +14,9 @@ stdout and stderr). The server forks. The child takes the descriptors as 0, 1 an
 directory, and runs SCRIPT as ``__main__``. The server answers ``{"pid": PID}`` at once and
 ``{"returncode": CODE}`` when the child exits (negative: killed by that signal, as with Popen).
 
-``PYTHONHASHSEED`` is fixed when an interpreter starts, so a server serves one hash seed; the server's own
-environment is that of its runs, less what a request replaces. The server dies with the process that started
-it, and its children with it (``PR_SET_PDEATHSIG``).
+A request gives its run's whole environment, but what is read when the interpreter starts or a library loads
+(``PYTHONHASHSEED``, libgomp's ``OMP_*``) is the server's: start a server with its runs' environment, one server
+per hash seed. The server dies with the process that started it, and its runs with it (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -115,12 +115,15 @@ def serve(path: str, modules: Sequence[str]) -> None:
     os.rename(path + ".tmp", path)  # connectable only once every module is imported
     while True:
         conn, _ = listener.accept()
+        fds: list[int] = []
         try:
             data, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE, 3)
             request = json.loads(data)
             if len(fds) != 3:
                 raise ValueError(f"a request carries 3 descriptors, not {len(fds)}")
         except (OSError, ValueError) as e:
+            for fd in fds:
+                os.close(fd)
             with contextlib.suppress(OSError):
                 conn.send(json.dumps({"error": str(e)}).encode())
             conn.close()
@@ -252,10 +255,12 @@ class ForkServer:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             fd_in, our_in = _fd_for(stdin, reading=True, default=0, close_later=close_later)
+            ours.append(our_in)
             fd_out, our_out = _fd_for(stdout, reading=False, default=1, close_later=close_later)
+            ours.append(our_out)
             fd_err, our_err = (fd_out, None) if stderr == subprocess.STDOUT else \
                 _fd_for(stderr, reading=False, default=2, close_later=close_later)
-            ours = [our_in, our_out, our_err]
+            ours.append(our_err)
             request = json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd()}).encode()
             conn.connect(self.path)
             socket.send_fds(conn, [request], [fd_in, fd_out, fd_err])

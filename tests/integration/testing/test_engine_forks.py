@@ -4,8 +4,10 @@ server preloads only ``json`` here)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -108,3 +110,21 @@ def test_a_server_that_cannot_start_says_why(tmp_path):
             fs.wait_ready(60)
     finally:
         fs.close()
+
+
+def test_a_malformed_request_is_refused_and_the_server_goes_on(server, tmp_path):
+    fs, script = server
+    open_fds = lambda: len(os.listdir(f"/proc/{fs.proc.pid}/fd"))  # noqa: E731
+    before = open_fds()
+    for fds in ([0], [0, 1, 2]):  # too few descriptors; three, but a body that is not JSON
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.connect(fs.path)
+            socket.send_fds(conn, [b"{}" if len(fds) == 1 else b"not json"], fds)
+            answer = json.loads(conn.recv(1 << 16))
+        assert "error" in answer and "pid" not in answer
+    deadline = time.monotonic() + 30
+    while open_fds() != before and time.monotonic() < deadline:  # it closes the connection after answering
+        time.sleep(0.05)
+    assert open_fds() == before  # the descriptors it was sent are closed again
+    proc, out, _ = _run(fs, script, "still here", tmp_path)
+    assert proc.returncode == 0 and "env yes" in out
