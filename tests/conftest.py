@@ -50,6 +50,18 @@ def shm_segments(pid: int) -> list[str]:
     return sorted(glob.glob(f"/dev/shm/kvstore-{pid}-*"))
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is not a zombie (a zombie has exited; its reaper has not
+    collected it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] != "Z"  # the state follows the command name, which may hold ") "
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:  # there, but not readable from here
+        return os.path.exists(f"/proc/{pid}")
+
+
 session_token_file = launcher.process_token_file  # one token for the session's daemons ($KVSTORE_TOKEN_FILE)
 
 

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 from client_child import pattern  # noqa: E402
-from conftest import MiB, no_hang, shm_segments, wait_until
+from conftest import MiB, no_hang, pid_alive, shm_segments, wait_until
 from stress_worker import check_value  # noqa: E402
 from stress_worker import make_value as worker_make_value
 
@@ -277,21 +277,13 @@ def test_daemon_exits_with_its_owner_when_the_owner_is_killed(tmp_path):
         owner.kill()
         owner.wait()
         with no_hang("the daemon's exit after its owner's"):
-            assert wait_until(lambda: not _alive(daemon_pid), 30), "the daemon outlived its owner"
+            assert wait_until(lambda: not pid_alive(daemon_pid), 30), "the daemon outlived its owner"
         assert not sock.exists() and shm_segments(daemon_pid) == []
     finally:
         if owner.poll() is None:
             owner.kill()
             owner.wait()
         owner.stdout.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited (reaped by init in time)
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("pid", ["0", "-3", "abc"])

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 
 import pytest
+from conftest import pid_alive, wait_until
 
 from kvstore.testing import hosts as H
 
@@ -54,17 +53,5 @@ def test_processes_left_behind_in_a_host_end_with_it():
         starter = hosts["a"].popen(["sh", "-c", "sleep 600 & echo $!"], stdout=subprocess.PIPE, text=True)
         orphan = int(starter.stdout.readline())
         starter.wait(10)
-    deadline = time.monotonic() + 10
-    while _alive(orphan) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(orphan)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-    except OSError:
-        return os.path.exists(f"/proc/{pid}")
+    wait_until(lambda: not pid_alive(orphan), 10)
+    assert not pid_alive(orphan)

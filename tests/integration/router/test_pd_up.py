@@ -13,21 +13,12 @@ import sys
 import urllib.request
 
 import pytest
-from conftest import child_env, free_port, short_tmpdir, wait_until
+from conftest import child_env, free_port, pid_alive, short_tmpdir, wait_until
 from routers import tiny_model
 
 pytest.importorskip("vllm")
 pytest.importorskip("aiohttp")
 pytestmark = [pytest.mark.heavy(45), pytest.mark.timeout(600)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 def _children(pid: int) -> set[int]:
@@ -65,7 +56,7 @@ def test_pd_up_serves_and_ctrl_c_stops_everything():
             assert re.fullmatch(r"( w\d+){3}", json.load(resp)["choices"][0]["text"])
         proc.send_signal(signal.SIGINT)
         assert proc.wait(120) == 0, read()
-        assert wait_until(lambda: not any(_alive(p) for p in started), 60), read()
+        assert wait_until(lambda: not any(pid_alive(p) for p in started), 60), read()
     finally:
         if proc.poll() is None:
             proc.kill()

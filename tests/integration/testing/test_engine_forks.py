@@ -10,9 +10,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
+from conftest import pid_alive, wait_until
 from engine_forks import ForkServer
 
 SCRIPT = """
@@ -88,19 +88,8 @@ def test_runs_die_with_the_server(server, tmp_path):
     fs.proc.kill()
     fs.proc.wait()
     assert proc.wait(30) == -signal.SIGKILL  # no status from a dead server: its children are killed with it
-    deadline = time.monotonic() + 30
-    while _running(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _running(proc.pid)
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie (a zombie is dead, waiting for its reaper)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return not f.read().rsplit(") ", 1)[1].startswith("Z")
-    except FileNotFoundError:
-        return False
+    wait_until(lambda: not pid_alive(proc.pid), 30)
+    assert not pid_alive(proc.pid)
 
 
 def test_a_server_that_cannot_start_says_why(tmp_path):
@@ -122,9 +111,7 @@ def test_a_malformed_request_is_refused_and_the_server_goes_on(server, tmp_path)
             socket.send_fds(conn, [b"{}" if len(fds) == 1 else b"not json"], fds)
             answer = json.loads(conn.recv(1 << 16))
         assert "error" in answer and "pid" not in answer
-    deadline = time.monotonic() + 30
-    while open_fds() != before and time.monotonic() < deadline:  # it closes the connection after answering
-        time.sleep(0.05)
+    wait_until(lambda: open_fds() == before, 30)  # it closes the connection after answering
     assert open_fds() == before  # the descriptors it was sent are closed again
     proc, out, _ = _run(fs, script, "still here", tmp_path)
     assert proc.returncode == 0 and "env yes" in out
