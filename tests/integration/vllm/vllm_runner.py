@@ -21,19 +21,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import paths
+from conftest import child_env
 from engine_forks import ForkServer
 
 CHILD = os.path.join(os.path.dirname(__file__), "vllm_child.py")
 BLOCK = 128
-
-
-def child_env() -> dict:
-    """This checkout first on the child's path (as tests/conftest.py's child_env does)."""
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = str(paths.ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 @dataclass
